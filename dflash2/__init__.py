@@ -1,0 +1,17 @@
+"""dflash2: train, export and evaluate DFlash2 speculative-decoding drafters."""
+
+from dflash2.config import DFlash2Config, default_target_layer_ids, tensor_shapes
+from dflash2.conv import DFlashGroupedConv
+from dflash2.model import DFlash2DraftModel, DraftCache
+from dflash2.selector import CandidateSelector
+
+__version__ = "0.1.0"
+__all__ = [
+    "CandidateSelector",
+    "DFlash2Config",
+    "DFlash2DraftModel",
+    "DFlashGroupedConv",
+    "DraftCache",
+    "default_target_layer_ids",
+    "tensor_shapes",
+]

@@ -1,0 +1,314 @@
+"""The DFlash2 drafter, tensor for tensor what serving engines load (contract sections 3 and 4).
+
+A block `[anchor, MASK, ...]` is embedded with the target's own embedding and attends, in every layer, to
+itself (bidirectionally) and to the fused target features of the context (KV injection). The drafter owns
+no embedding and no head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from dflash2.config import DFlash2Config, tensor_shapes
+from dflash2.conv import DFlashGroupedConv
+from dflash2.selector import CandidateSelector
+
+try:  # flex attention carries the block-sparse training mask on GPUs; a dense mask does the same elsewhere
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch < 2.5
+    BlockMask, flex_attention = None, None
+
+Mask = (
+    Any  # bool tensor [b|1, 1, q, keys] (True = attend), a flex BlockMask, a {layer_type: mask} dict, or None
+)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: statistics in fp32, the weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: DFlash2Config) -> None:
+        super().__init__()
+        rope_type = (cfg.rope_parameters or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise NotImplementedError(
+                f"rope_parameters.rope_type={rope_type!r}: only the default RoPE is supported"
+            )
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, n] -> cos, sin [b, 1, n, head_dim] in fp32."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class DraftCache:
+    """Context keys/values per layer, appended after every verify; stale slots are masked, never removed."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlash2Config, layer: int) -> None:
+        super().__init__()
+        self.layer, self.heads, self.kv_heads, self.head_dim = (
+            layer,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor | None,
+        rope_q: tuple,
+        rope_c: tuple | None,
+        mask: Mask,
+        cache: DraftCache | None,
+    ) -> torch.Tensor:
+        b, q, _ = x.shape
+        qh = self.q_norm(self.q_proj(x).view(b, q, self.heads, self.head_dim)).transpose(1, 2)
+        qh = apply_rope(qh, *rope_q)
+        kb, vb = self._kv(x, *rope_q)
+        # Context is projected by this layer's k/v (with k_norm) but never normed or convolved itself.
+        if ctx is not None:
+            kc, vc = self._kv(ctx, *rope_c)
+        else:
+            kc = vc = kb.new_zeros(b, self.kv_heads, 0, self.head_dim)
+        if cache is not None:
+            kc, vc = cache.update(self.layer, kc, vc)
+        k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
+        if BlockMask is not None and isinstance(mask, BlockMask):
+            out = flex_attention(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DFlash2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlash2Config, layer: int) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.use_conv:
+            args = (cfg.hidden_size, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv, self.mlp_conv = DFlashGroupedConv(*args), DFlashGroupedConv(*args)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx: torch.Tensor | None,
+        rope_q: tuple,
+        rope_c: tuple | None,
+        mask: Mask,
+        cache: DraftCache | None,
+    ) -> torch.Tensor:
+        if isinstance(mask, dict):
+            mask = mask[self.layer_type]
+        x = self.input_layernorm(h)
+        if self.attention_conv is None:
+            h = h + self.self_attn(x, ctx, rope_q, rope_c, mask, cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, k_a = self.attention_conv.prepare(x)
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx, rope_q, rope_c, mask, cache), k_a)
+        x, k_m = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), k_m)
+
+
+class DFlash2DraftModel(nn.Module):
+    def __init__(self, config: DFlash2Config) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+        self.candidate_selector = None
+        if config.use_selector:
+            self.candidate_selector = CandidateSelector(
+                h,
+                config.vocab_size,
+                config.selector_rank,
+                config.selector_top_k,
+                config.output_multiplier,
+                config.final_logit_softcapping,
+            )
+
+    def set_block_size(self, block_size: int) -> None:
+        """Engines pick B at run time; only the convolution (block-local taps) depends on it."""
+        if block_size < 2:
+            raise ValueError(f"block_size {block_size}: a block needs the anchor plus at least one slot")
+        self.config.block_size = block_size
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.block_size = block_size
+
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Concatenated target features [b, c, n*H] -> one context vector per token [b, c, H]."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        attention_mask: Mask = None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        """Blocks [b, n*B, H] at absolute positions -> norm(h) [b, n*B, H]; rows 1..B-1 of a block propose."""
+        h = block_embeds.to(self.fc.weight.dtype)
+        rope_q = self.rotary(block_positions)
+        rope_c = self.rotary(context_positions) if context is not None else None
+        for layer in self.layers:
+            h = layer(h, context, rope_q, rope_c, attention_mask, cache)
+        return self.norm(h)
+
+    # ------------------------------------------------------------------ checkpoints in the contract layout
+    def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:
+        """config.json + bf16 safetensors (shards and an index above max_shard_size); no embedding, no head."""
+        from huggingface_hub import save_torch_state_dict
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
+        check_tensors(self.config, {k: tuple(v.shape) for k, v in state.items()}, path)
+        self.config.save_pretrained(path)
+        save_torch_state_dict(state, path, max_shard_size=max_shard_size, metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **overrides: Any,
+    ) -> DFlash2DraftModel:
+        """Load a DFlash or DFlash2 folder. `overrides` change config fields, e.g. turning the conv and the
+        selector on to warm-start DFlash2 from a plain DFlash checkpoint (the new parts start inert)."""
+        saved = DFlash2Config.from_pretrained(path)
+        tensors = read_safetensors(path)
+        check_tensors(saved, {k: tuple(v.shape) for k, v in tensors.items()}, path)
+        model = cls(saved.replace(**overrides) if overrides else saved)
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        if unexpected:
+            raise ValueError(f"{path}: tensors {unexpected} do not fit the requested config")
+        # What may stay at its inert init: only parts that the saved config itself declares off.
+        allowed = set(tensor_shapes(model.config)) - set(tensor_shapes(saved))
+        if set(missing) - allowed:
+            raise ValueError(f"{path}: missing tensors {sorted(set(missing) - allowed)}")
+        return model.to(device=device, dtype=dtype)
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(path / name))
+    return tensors
+
+
+def check_tensors(cfg: DFlash2Config, found: dict[str, tuple[int, ...]], where: Any = "checkpoint") -> None:
+    """Refuse, by name, any tensor an engine would silently ignore or any it would miss (contract section 3)."""
+    expected = tensor_shapes(cfg)
+    problems = []
+    for name in sorted(set(found) - set(expected)):
+        hint = ""
+        if name.endswith("codebook.weight"):
+            hint = f" (codebooks carry no .weight suffix: rename to {name.removesuffix('.weight')})"
+        elif name.startswith("model."):
+            hint = f" (names carry no 'model.' prefix: rename to {name.removeprefix('model.')})"
+        elif name.startswith(("embed_tokens", "lm_head")):
+            hint = " (the drafter shares the target's embedding and head: drop it)"
+        problems.append(f"unexpected tensor {name}{hint}")
+    problems += [
+        f"missing tensor {name} {list(expected[name])}" for name in sorted(set(expected) - set(found))
+    ]
+    problems += [
+        f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
+        for name, shape in sorted(expected.items())
+        if name in found and tuple(found[name]) != shape
+    ]
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
