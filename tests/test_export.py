@@ -1,0 +1,276 @@
+"""Export of synthetic training checkpoints: exact reload, atomic writes, clear refusals, the manifest, the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast, Qwen3Config
+
+from dflash2 import DFlash2Config, DFlash2DraftModel, tensor_shapes
+from dflash2.export import draft_from_checkpoint, export_checkpoint, find_checkpoint, load_checkpoint
+from dflash2.lint import LintReport
+from dflash2.manifest import build_manifest, check_manifest, read_manifest, target_identity
+from dflash2.model import read_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(conv: bool = True, selector: bool = True) -> DFlash2Config:
+    return DFlash2Config(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=2, num_target_layers=6, vocab_size=256, mask_token_id=255, block_size=4,
+        rope_theta=10000.0, conv_kernel_size=2 if conv else 0, conv_group_size=8 if conv else 0,
+        selector_rank=8 if selector else 0, selector_top_k=4 if selector else 0,
+    )  # fmt: skip
+
+
+def trained_model(cfg: DFlash2Config) -> DFlash2DraftModel:
+    """A drafter whose every tensor (conv and selector included) is far from its inert initialisation."""
+    model = DFlash2DraftModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + p)
+    return model
+
+
+def write_ckpt(path: Path, model: DFlash2DraftModel, manifest: dict | None = None, changes: dict | None = None) -> Path:
+    """A Lightning checkpoint as dflash2's training writes it (drafter under `draft.`, config in hparams)."""
+    state = {"draft." + k: v.detach().clone() for k, v in model.state_dict().items()}
+    ckpt = {
+        "epoch": 1,
+        "global_step": 42,
+        "pytorch-lightning_version": "2.5.0",
+        "state_dict": state,
+        "hyper_parameters": {"draft_config": model.config.to_dict(), "lr": 6e-4},
+        "dflash2": {"manifest": manifest, "metrics": {"val/tau_sim": 3.25, "val/acc_1": 0.8}, "step": 42},
+    }
+    for (*parents, leaf), value in (changes or {}).items():  # key: path into the checkpoint; None deletes
+        node = ckpt
+        for p in parents:
+            node = node[p]
+        if value is None:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, path)
+    return path
+
+
+def propose(model: DFlash2DraftModel, inputs: dict, lm_head: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Hidden states, candidates and the greedy selector walk of one batch of blocks."""
+    with torch.no_grad():
+        ctx = model.fuse(inputs["target_hidden"])
+        hidden = model(inputs["embeds"], inputs["positions"], ctx, inputs["ctx_positions"])
+        out = (hidden,)
+        if model.candidate_selector is not None:
+            sel, b = model.candidate_selector, model.config.block_size
+            slots = hidden.view(-1, b, hidden.shape[-1])[:, 1:]
+            cand, unary = sel.compute_candidates(slots, lm_head)
+            scores = sel.build_lattice(cand, unary, slots, inputs["anchors"])
+            n = cand.shape[0]
+            tokens, _ = sel.walk(cand, scores, torch.rand(n, b - 1), torch.ones(n), torch.ones(n, dtype=torch.bool))
+            out += (cand, scores, tokens)
+    return out
+
+
+def random_inputs(cfg: DFlash2Config, blocks: int = 2, context: int = 5) -> dict:
+    h, b = cfg.hidden_size, cfg.block_size
+    return {
+        "target_hidden": torch.randn(1, context, len(cfg.target_layer_ids) * h, dtype=torch.bfloat16),
+        "ctx_positions": torch.arange(context).unsqueeze(0),
+        "embeds": torch.randn(1, blocks * b, h, dtype=torch.bfloat16),
+        "positions": torch.arange(context, context + blocks * b).unsqueeze(0),
+        "anchors": torch.randint(0, cfg.vocab_size, (blocks,)),
+    }
+
+
+def leftovers(folder: Path, keep: set[str]) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in keep)
+
+
+def test_export_reloads_and_proposes_exactly_what_the_trained_model_does(tmp_path):
+    cfg = tiny_config()
+    model = trained_model(cfg)
+    out = export_checkpoint(write_ckpt(tmp_path / "last.ckpt", model), tmp_path / "drafter")
+    assert leftovers(tmp_path, {"last.ckpt", "drafter"}) == []
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert set(f.keys()) == set(tensor_shapes(cfg))
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == cfg.target_layer_ids
+
+    reloaded = DFlash2DraftModel.from_pretrained(out, dtype=torch.bfloat16)
+    in_memory = draft_from_checkpoint(load_checkpoint(tmp_path / "last.ckpt")).to(torch.bfloat16)
+    reference = model.to(torch.bfloat16)
+    inputs, lm_head = random_inputs(cfg), torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)
+    want = propose(reference, inputs, lm_head)
+    for candidate in (reloaded, in_memory):
+        for got, expected in zip(propose(candidate, inputs, lm_head), want, strict=True):
+            assert torch.equal(got, expected)
+
+    card = (out / "README.md").read_text()
+    for fact in ("--speculative-num-draft-tokens 4", '"num_speculative_tokens": 3', "val/tau_sim", "3.25", "42"):
+        assert fact in card
+
+
+def test_sharded_and_single_file_exports_hold_the_same_tensors(tmp_path):
+    ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
+    single = export_checkpoint(ckpt, tmp_path / "single")
+    sharded = export_checkpoint(ckpt, tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    a, b = read_safetensors(single), read_safetensors(sharded)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_plain_dflash_export_declares_dflash_without_dflash2_tensors(tmp_path):
+    cfg = tiny_config(conv=False, selector=False)
+    out = export_checkpoint(write_ckpt(tmp_path / "last.ckpt", trained_model(cfg)), tmp_path / "drafter")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    assert names and not [n for n in names if "conv" in n or "selector" in n]
+    assert DFlash2DraftModel.from_pretrained(out).candidate_selector is None
+
+
+SD = "state_dict"
+CORRUPTIONS = {
+    "truncated": (None, "truncated"),
+    "integer tensor": ({(SD, "draft.fc.weight"): torch.zeros(64, 128, dtype=torch.int64)}, "fc.weight"),
+    "missing key": ({(SD, "draft.layers.1.mlp.up_proj.weight"): None}, "layers.1.mlp.up_proj.weight"),
+    "wrong shape": ({(SD, "draft.norm.weight"): torch.ones(63)}, "norm.weight"),
+    "codebook with .weight": (
+        {(SD, "draft.candidate_selector.successor_codebook"): None,
+         (SD, "draft.candidate_selector.successor_codebook.weight"): torch.zeros(256, 8)},
+        "successor_codebook",
+    ),
+    "no draft_config": ({("hyper_parameters", "draft_config"): None}, "draft_config"),
+    "no drafter tensors": ({(SD,): {"target.embed_tokens.weight": torch.zeros(4, 4)}}, "draft."),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_checkpoint_fails_clearly_and_leaves_nothing(tmp_path, corruption):
+    changes, message = CORRUPTIONS[corruption]
+    ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()), changes=changes)
+    if changes is None:
+        os.truncate(ckpt, ckpt.stat().st_size // 2)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        export_checkpoint(ckpt, tmp_path / "out" / "drafter")
+    assert leftovers(tmp_path, {"last.ckpt"}) == []
+
+
+def test_a_failing_lint_leaves_nothing_behind(tmp_path, monkeypatch):
+    ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
+    monkeypatch.setattr("dflash2.export.lint", lambda path: LintReport(Path(path), problems=["injected fault"]))
+    with pytest.raises(ValueError, match="injected fault"):
+        export_checkpoint(ckpt, tmp_path / "drafter")
+    assert leftovers(tmp_path, {"last.ckpt"}) == []
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path):
+    ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_checkpoint(ckpt, out)
+    assert (out / "keep.txt").read_text() == "mine"
+    export_checkpoint(ckpt, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert leftovers(tmp_path, {"last.ckpt", "drafter"}) == []
+
+
+def test_find_checkpoint_prefers_last_then_the_highest_step(tmp_path):
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    for name in ("epoch=0-step=900.ckpt", "epoch=1-step=1800.ckpt", "epoch=0-step=95.ckpt"):
+        (run / name).touch()
+    assert find_checkpoint(tmp_path / "run").name == "epoch=1-step=1800.ckpt"
+    (run / "last.ckpt").touch()
+    assert find_checkpoint(tmp_path / "run").name == "last.ckpt"
+    with pytest.raises(FileNotFoundError, match="ckpt_path"):
+        find_checkpoint(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------- manifest
+def tiny_target(extra_token: str | None = None, layers: int = 6) -> tuple[Qwen3Config, PreTrainedTokenizerFast]:
+    vocab = {f"t{i}": i for i in range(250)} | {"<unk>": 250, "<|im_end|>": 251}
+    if extra_token:
+        vocab[extra_token] = len(vocab)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>", eos_token="<|im_end|>"
+    )
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+    )
+    return config, tok
+
+
+def test_manifest_round_trips_and_refuses_another_target(tmp_path, caplog):
+    identity = target_identity("tiny/target", *tiny_target())
+    manifest = build_manifest(identity, data_source="sharegpt (regenerated)", steps=42, run="r1")
+    out = export_checkpoint(
+        write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()), manifest), tmp_path / "drafter"
+    )
+    assert read_manifest(out) == manifest
+    assert DFlash2DraftModel.from_pretrained(out).config.extra["dflash2_manifest"] == manifest
+    assert "tiny/target" in (out / "README.md").read_text()
+    check_manifest(read_manifest(out), target_identity("tiny/target", *tiny_target()))
+
+    config, tok = tiny_target()
+    config._name_or_path, config.transformers_version = "/elsewhere/tiny", "0.0.1"  # volatile: same target
+    check_manifest(manifest, target_identity("moved/copy", config, tok))
+    with pytest.raises(ValueError, match="target_config_hash"):
+        check_manifest(manifest, target_identity("tiny/target", *tiny_target(layers=7)))
+    with pytest.raises(ValueError, match="tokenizer_hash"):
+        check_manifest(manifest, target_identity("tiny/target", *tiny_target(extra_token="<new>")))
+    with caplog.at_level(logging.WARNING, logger="dflash2.manifest"):
+        check_manifest(None, identity)
+    assert "dflash2_manifest" in caplog.text
+
+
+# ---------------------------------------------------------------------- CLI
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, str(REPO / "export.py"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_exports_a_run_dir_and_checks_it(tmp_path):
+    write_ckpt(tmp_path / "run" / "checkpoints" / "last.ckpt", trained_model(tiny_config()))
+    out = tmp_path / "drafter"
+    done = run_cli(f"ckpt_path={tmp_path / 'run'}", f"output_dir={out}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "config.json").is_file()
+    assert run_cli(f"check={out}").returncode == 0
+
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["mask_token_id"] = config["vocab_size"]
+    (out / "config.json").write_text(json.dumps(config))
+    done = run_cli(f"check={out}")
+    assert done.returncode == 1 and "mask_token_id" in done.stdout

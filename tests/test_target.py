@@ -1,0 +1,230 @@
+"""The frozen target wrapper, the mask-token choice and assistant-turn regeneration."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from dflash2.data.chat import load_conversations
+from dflash2.data.regenerate import completed_ids, regenerate
+from dflash2.target import TargetModel, TargetNotFoundError, choose_mask_token
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TargetModel:
+    return TargetModel.load("tiny", target_layer_ids=[0, 1, 2, 3])
+
+
+def random_batch(vocab: int, b: int = 2, length: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (b, length))
+    mask = torch.ones_like(ids)
+    mask[0, : torch.randint(1, length // 2, ()).item()] = 0  # left padding on one row
+    return ids, mask
+
+
+def test_hook_capture_is_hidden_states_plus_one(tiny):
+    ids, mask = random_batch(tiny.vocab_size)
+    out = tiny(ids, attention_mask=mask)
+    ref = tiny.model(ids, attention_mask=mask, output_hidden_states=True)
+    h = tiny.hidden_size
+    assert out.hidden.shape == (2, ids.shape[1], 4 * h)
+    torch.testing.assert_close(out.logits, ref.logits)
+    for k, i in enumerate(tiny.target_layer_ids):
+        got = out.hidden[..., k * h : (k + 1) * h]
+        torch.testing.assert_close(got, ref.hidden_states[i + 1], rtol=0, atol=0)
+        # The check can tell neighbouring layers apart, so an off-by-one capture would fail it.
+        assert not torch.allclose(got, ref.hidden_states[i])
+
+
+def test_logits_false_gives_same_hidden_and_skips_later_layers():
+    target = TargetModel.load("tiny", target_layer_ids=[2, 0])
+    ran = []
+    target.layers[3].register_forward_hook(lambda *_: ran.append(3))
+    ids, mask = random_batch(target.vocab_size)
+    full = target(ids, attention_mask=mask)
+    assert ran == [3]
+    features = target(ids, attention_mask=mask, logits=False)
+    assert features.logits is None
+    assert ran == [3], "layer 3 is not needed for ids [2, 0] without logits"
+    torch.testing.assert_close(features.hidden, full.hidden, rtol=0, atol=0)
+    ref = target.model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features.hidden, torch.cat([ref[3], ref[1]], -1), rtol=0, atol=0)
+
+
+def test_target_is_frozen(tiny):
+    tiny.train()
+    assert not tiny.training and not tiny.model.training
+    assert all(not p.requires_grad for p in tiny.parameters())
+    out = tiny(torch.randint(0, tiny.vocab_size, (1, 5)))
+    assert out.hidden.grad_fn is None and out.logits.grad_fn is None
+    assert tiny.lm_head_weight.shape == (tiny.vocab_size, tiny.hidden_size)
+    assert tiny.embed_tokens.weight.shape == (tiny.vocab_size, tiny.hidden_size)
+
+
+def test_draft_config_fields(tiny):
+    fields = tiny.draft_config_fields()
+    assert fields["num_target_layers"] == 4 and fields["vocab_size"] == len(tiny.tokenizer)
+    assert fields["hidden_size"] == 64 and fields["head_dim"] == 16 and fields["num_key_value_heads"] == 2
+    assert fields["rope_theta"] == 10000.0 and fields["output_multiplier"] == 1.0
+    assert fields["final_logit_softcapping"] is None
+
+
+def test_quantized_head_is_refused(tiny):
+    head = nn.Linear(tiny.hidden_size, tiny.vocab_size, bias=False)
+    head.weight = nn.Parameter(torch.randint(-8, 8, head.weight.shape, dtype=torch.int8), requires_grad=False)
+    model = TargetModel.load("tiny").model
+    model.lm_head = head
+    with pytest.raises(ValueError, match=r"lm_head: found Linear with weight Parameter torch\.int8"):
+        TargetModel(model, tiny.tokenizer)
+
+
+def test_uncached_hub_id_fails_fast_in_one_sentence(monkeypatch):
+    import huggingface_hub as hub
+
+    if isinstance(hub.try_to_load_from_cache("Qwen/Qwen3-8B", "config.json"), str):
+        pytest.skip("Qwen3-8B is cached here")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.monotonic()
+    with pytest.raises(TargetNotFoundError) as err:
+        TargetModel.load("Qwen/Qwen3-8B")
+    assert time.monotonic() - start < 60
+    message = str(err.value)
+    assert "'Qwen/Qwen3-8B'" in message and "pass model.path=/local/dir" in message
+    assert "\n" not in message and message.count(". ") == 0
+
+
+def test_cli_offline_qwen3_prints_one_line(tmp_path):
+    # No offline flag: an unreachable Hub endpoint must fail as fast as HF_HUB_OFFLINE=1 does.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash2.data.regenerate", "model=qwen3", "limit=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.monotonic() - start < 60
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pass model.path=/local/dir" in lines[0], run.stderr
+
+
+def test_mask_token_is_special_and_absent_from_chat(tiny):
+    tok = tiny.tokenizer
+    mask = choose_mask_token(tok, tiny.vocab_size)
+    assert mask not in {tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id}
+    assert mask in tok.added_tokens_decoder and 0 <= mask < tiny.vocab_size
+    first_plain = max(tok.added_tokens_decoder) + 1
+    words = lambda: tok.decode(torch.randint(first_plain, len(tok), (20,)).tolist())
+    chat = [{"role": "system", "content": words()}]
+    for _ in range(3):
+        chat += [{"role": "user", "content": words()}, {"role": "assistant", "content": words()}]
+    rendered = tok(tok.apply_chat_template(chat, tokenize=False))["input_ids"]
+    assert mask not in rendered and tok.eos_token_id in rendered  # the render really contains specials
+    assert choose_mask_token(tok, len(tok) + 7) == len(tok), "a spare embedding row wins"
+    for name in ("smollm2", "tiny"):
+        cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{name}.yaml").read_text())
+        assert cfg["mask_token_id"] == mask, f"configs/model/{name}.yaml records a different mask id"
+
+
+def test_model_configs_share_keys():
+    keys = {"name", "path", "gguf_file", "dtype", "block_size", "num_draft_layers", "mask_token_id", "target_layer_ids"}
+    for file in (ROOT / "configs" / "model").glob("*.yaml"):
+        assert set(yaml.safe_load(file.read_text())) == keys, file.name
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_loads():
+    cfg = yaml.safe_load((ROOT / "configs" / "model" / "smollm2.yaml").read_text())
+    target = TargetModel.from_config(cfg)
+    assert target.num_layers == 30 and target.vocab_size == 49152 and target.hidden_size == 576
+    assert isinstance(target.tokenizer.chat_template, str) and "<|im_start|>" in target.tokenizer.chat_template
+    assert target.lm_head_weight.dtype == torch.float32
+    assert choose_mask_token(target.tokenizer, target.vocab_size) == cfg["mask_token_id"]
+    out = target(torch.randint(0, 49152, (1, 6)), logits=False)
+    assert out.hidden.shape == (1, 6, 576 * len(cfg["target_layer_ids"]))
+
+
+def write_sharegpt(path: Path) -> None:
+    records = [
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Name a colour."},
+                {"from": "gpt", "value": "OLD1"},
+                {"from": "human", "value": "Another one?"},
+                {"from": "gpt", "value": "OLD2"},
+            ],
+        },
+        {"id": "b", "conversations": [{"from": "human", "value": "Count to three."}, {"from": "gpt", "value": "OLD3"}]},
+    ]
+    path.write_text(json.dumps(records))
+
+
+def test_regenerate_writes_and_resumes(tiny, tmp_path):
+    write_sharegpt(tmp_path / "chats.json")
+    out = tmp_path / "regen.jsonl"
+    prompts = []
+    original = tiny.model.generate
+
+    def spy(**kwargs):
+        prompts.extend(tiny.tokenizer.batch_decode(kwargs["input_ids"], skip_special_tokens=False))
+        return original(**kwargs)
+
+    tiny.model.generate = spy
+    try:
+        run = lambda: regenerate(
+            tiny,
+            load_conversations(str(tmp_path / "chats.json")),
+            out,
+            batch_size=2,
+            max_new_tokens=4,
+            chunk_size=1,
+            regenerated_by="tiny",
+        )
+        assert run() == 2
+        records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        assert [m["role"] for m in records["a"]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+        replies = [m["content"] for m in records["a"]["messages"] if m["role"] == "assistant"]
+        assert "OLD" not in "".join(replies) and all(replies)
+        # Turn 2 is generated after the regenerated turn 1, never after the original reply.
+        second = [p for p in prompts if "Another one?" in p]
+        assert len(prompts) == 3 and len(second) == 1 and replies[0] in second[0] and "OLD1" not in second[0]
+        reread = load_conversations(str(out))  # the training data reader takes the output as it is
+        assert sorted(reread["id"]) == ["a", "b"] and set(reread["regenerated_by"]) == {"tiny"}
+        before = out.read_text()
+        assert run() == 0 and out.read_text() == before and len(prompts) == 3  # nothing redone
+        # A kill mid-write leaves a torn last line: it is cut off and only that conversation is redone.
+        out.write_text(before.splitlines(keepends=True)[0] + '{"id": "b", "mess')
+        assert completed_ids(out) == {json.loads(before.splitlines()[0])["id"]}
+        assert run() == 1 and len(out.read_text().splitlines()) == 2
+    finally:
+        tiny.model.generate = original
+
+
+def test_regenerate_config_on_tiny(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from dflash2.data.regenerate import run
+
+    write_sharegpt(tmp_path / "chats.json")
+    overrides = ["model=tiny", f"input={tmp_path / 'chats.json'}", "max_new_tokens=3", "limit=1"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("regenerate", overrides=overrides)
+    assert cfg.output == "data/regenerated/tiny.jsonl" and cfg.model.mask_token_id == 3
+    cfg.output = str(tmp_path / "out.jsonl")
+    assert run(cfg) == 1
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a"]
