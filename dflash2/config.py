@@ -77,9 +77,7 @@ class DFlash2Config:
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.rope_theta is None and self.rope_parameters is None:
-            raise ValueError(
-                "rope_theta / rope_parameters: inherit the target's RoPE settings (set either one)"
-            )
+            raise ValueError("rope_theta / rope_parameters: inherit the target's RoPE settings (set either one)")
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -210,18 +208,12 @@ class DFlash2Config:
         missing = [
             f.name
             for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-            and f.name not in kwargs
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs
         ]
         if missing:
-            raise ValueError(
-                f"config.json lacks {missing}; a DFlash2 config needs every field of the contract"
-            )
+            raise ValueError(f"config.json lacks {missing}; a DFlash2 config needs every field of the contract")
         if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias", False):
-            raise ValueError(
-                "hidden_act/attention_bias: a DFlash drafter is Qwen3-style (silu, no attention bias)"
-            )
+            raise ValueError("hidden_act/attention_bias: a DFlash drafter is Qwen3-style (silu, no attention bias)")
         extra = {k: v for k, v in d.items() if k not in fields and k not in DERIVED_KEYS}
         extra.update({f"dflash_config.{k}": v for k, v in nested.items() if k not in fields})
         return cls(**kwargs, extra=extra)
@@ -230,20 +222,14 @@ class DFlash2Config:
     def from_pretrained(cls, path: str | Path) -> DFlash2Config:
         file = Path(path) / "config.json"
         if not file.is_file():
-            raise FileNotFoundError(
-                f"{file} not found: pass a folder written by export.py (config.json + weights)"
-            )
+            raise FileNotFoundError(f"{file} not found: pass a folder written by export.py (config.json + weights)")
         return cls.from_dict(json.loads(file.read_text()))
 
     def to_dict(self) -> dict[str, Any]:
-        nested_extra = {
-            k.split(".", 1)[1]: v for k, v in self.extra.items() if k.startswith("dflash_config.")
-        }
+        nested_extra = {k.split(".", 1)[1]: v for k, v in self.extra.items() if k.startswith("dflash_config.")}
         top_extra = {k: v for k, v in self.extra.items() if not k.startswith("dflash_config.")}
         out: dict[str, Any] = {
-            "architectures": [
-                "DFlash2DraftModel" if self.use_conv or self.use_selector else "DFlashDraftModel"
-            ],
+            "architectures": ["DFlash2DraftModel" if self.use_conv or self.use_selector else "DFlashDraftModel"],
             "model_type": "qwen3",
             "is_causal": False,
             "hidden_size": self.hidden_size,

@@ -59,6 +59,4 @@ class DFlashGroupedConv(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return (
-            f"hidden={self.hidden_size}, block={self.block_size}, taps={self.taps}, group={self.group_size}"
-        )
+        return f"hidden={self.hidden_size}, block={self.block_size}, taps={self.taps}, group={self.group_size}"

@@ -25,9 +25,7 @@ try:  # flex attention carries the block-sparse training mask on GPUs; a dense m
 except ImportError:  # pragma: no cover - torch < 2.5
     BlockMask, flex_attention = None, None
 
-Mask = (
-    Any  # bool tensor [b|1, 1, q, keys] (True = attend), a flex BlockMask, a {layer_type: mask} dict, or None
-)
+Mask = Any  # bool tensor [b|1, 1, q, keys] (True = attend), a flex BlockMask, a {layer_type: mask} dict, or None
 
 
 class RMSNorm(nn.Module):
@@ -49,9 +47,7 @@ class Rotary(nn.Module):
         super().__init__()
         rope_type = (cfg.rope_parameters or {}).get("rope_type", "default")
         if rope_type != "default":
-            raise NotImplementedError(
-                f"rope_parameters.rope_type={rope_type!r}: only the default RoPE is supported"
-            )
+            raise NotImplementedError(f"rope_parameters.rope_type={rope_type!r}: only the default RoPE is supported")
         d = cfg.head_dim
         inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -135,9 +131,7 @@ class Attention(nn.Module):
         if BlockMask is not None and isinstance(mask, BlockMask):
             out = flex_attention(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
         else:
-            out = F.scaled_dot_product_attention(
-                qh, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-            )
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
 
@@ -302,9 +296,7 @@ def check_tensors(cfg: DFlash2Config, found: dict[str, tuple[int, ...]], where: 
         elif name.startswith(("embed_tokens", "lm_head")):
             hint = " (the drafter shares the target's embedding and head: drop it)"
         problems.append(f"unexpected tensor {name}{hint}")
-    problems += [
-        f"missing tensor {name} {list(expected[name])}" for name in sorted(set(expected) - set(found))
-    ]
+    problems += [f"missing tensor {name} {list(expected[name])}" for name in sorted(set(expected) - set(found))]
     problems += [
         f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
         for name, shape in sorted(expected.items())

@@ -99,7 +99,5 @@ class CandidateSelector(nn.Module):
 def head_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The raw target head over the real vocabulary (rows past vocab_size are padding), in fp32."""
     if lm_head_weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"the target head is {lm_head_weight.dtype}; the selector needs a dense fp32/bf16/fp16 head"
-        )
+        raise ValueError(f"the target head is {lm_head_weight.dtype}; the selector needs a dense fp32/bf16/fp16 head")
     return (hidden.to(lm_head_weight.dtype) @ lm_head_weight[:vocab_size].T).float()

@@ -1,0 +1,373 @@
+"""`python evaluate.py`: how many tokens per target step a drafter really gives, measured by speculative decoding.
+
+One run = one drafter x one benchmark x one setting (temperature, block size, selector on/off). It writes
+`results.json` (acceptance statistics, speed, who was evaluated) and `samples.jsonl` (one line per request) into
+its run folder, prints a table and logs an offline W&B run. `dflash2.sweep` summarises a multirun.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash2 import kernels
+from dflash2.config import DFlash2Config
+from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
+from dflash2.model import DFlash2DraftModel
+from dflash2.speculative import Generation, speculative_generate, target_generate
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@functools.lru_cache(maxsize=1)  # the runs of a sweep (one process) share one target
+def load_target(path: str | None, gguf_file: str | None, dtype: str, layer_ids: tuple[int, ...], device: str) -> Any:
+    from dflash2.target import TargetModel
+
+    return TargetModel.load(path, gguf_file=gguf_file, target_layer_ids=list(layer_ids), dtype=dtype, device=device)
+
+
+def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
+    """The target of the `model` group and the drafter at `draft.path`, refused when trained for another target."""
+    draft_dir = Path(cfg.draft.path).expanduser()
+    saved = DFlash2Config.from_pretrained(draft_dir)  # cheap: fail on a wrong folder before loading a target
+    # The drafter decides which target layers it reads, whatever the model group suggests for training.
+    target = load_target(
+        cfg.model.get("path"),
+        cfg.model.get("gguf_file"),
+        cfg.model.get("dtype") or "auto",
+        tuple(saved.target_layer_ids),
+        str(device),
+    )
+    identity = target_identity(cfg.model.name, target.config, target.tokenizer)
+    check_manifest(saved.extra.get(MANIFEST_KEY), identity)
+    if saved.hidden_size != target.hidden_size or saved.vocab_size > target.vocab_size:
+        raise ValueError(
+            f"{draft_dir}: drafter hidden_size/vocab_size {saved.hidden_size}/{saved.vocab_size} do not "
+            f"fit target {cfg.model.name!r} ({target.hidden_size}/{target.vocab_size})"
+        )
+    draft = DFlash2DraftModel.from_pretrained(draft_dir, dtype=target.lm_head_weight.dtype, device=device).eval()
+    return target, draft, identity
+
+
+def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None) -> float | None:
+    """The drafter's teacher-forced `tau_sim` from its manifest or its README's metrics table, if recorded."""
+    for key, value in (manifest or {}).items():
+        if key.endswith("tau_sim") and isinstance(value, int | float):
+            return float(value)
+    readme = Path(draft_dir) / "README.md"
+    if readme.is_file():
+        match = re.search(r"\|\s*`?[\w/]*tau_sim`?\s*\|\s*([0-9.eE+-]+)\s*\|", readme.read_text())
+        if match:
+            return float(match.group(1))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation rendered with the target's chat template, ready for the assistant's reply."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    log.warning("the target's tokenizer has no chat template: prompts are the plain user turns")
+    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def stop_token_ids(target: Any, extra_tokens: list[str]) -> list[int]:
+    """eos of the tokenizer and of the generation config, plus chat end tokens named in the config."""
+    ids = {target.tokenizer.eos_token_id}
+    generation = getattr(target.model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    vocab = target.tokenizer.get_vocab()
+    ids.update(vocab[t] for t in extra_tokens if t in vocab)
+    return sorted(i for i in ids if i is not None)
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def acceptance_stats(accept_lengths: list[list[int]], block_size: int) -> dict[str, Any]:
+    """tau = mean committed tokens per verify step; per_position_accept[k-1] = fraction of steps whose proposal k
+    was accepted (k = 1..B-1); accept_hist[n-1] = steps that committed n tokens (n = 1..B)."""
+    steps = [n for lengths in accept_lengths for n in lengths]
+    hist = [0] * block_size
+    for n in steps:
+        hist[n - 1] += 1
+    total = max(len(steps), 1)
+    reached = [sum(hist[k:]) / total for k in range(1, block_size)]
+    return {
+        "tau": sum(steps) / total if steps else 0.0,
+        "num_steps": len(steps),
+        "per_position_accept": reached,
+        "accept_hist": hist,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- a run
+def generate_turns(
+    target: Any,
+    draft: DFlash2DraftModel | None,
+    prompts: list[dict],
+    settings: dict[str, Any],
+    multi_turn: bool,
+    generator: torch.Generator,
+    warmup: bool = True,
+) -> tuple[list[dict], float]:
+    """Decode every turn of every prompt (later turns see the earlier answers) -> (sample records, seconds).
+
+    `warmup` first decodes a few tokens of one prompt, untimed, so that one-off costs (CUDA context, Triton
+    compilation, allocator growth) stay out of tokens/s."""
+    tokenizer = target.tokenizer
+    conversations = [[] for _ in prompts]
+    samples, seconds = [], 0.0
+    n_turns = max(len(p["turns"]) for p in prompts) if multi_turn else 1
+    for turn in range(n_turns):
+        todo = [i for i, p in enumerate(prompts) if turn < len(p["turns"])]
+        for i in todo:
+            conversations[i].append({"role": "user", "content": prompts[i]["turns"][turn]})
+        prompt_ids = [render(tokenizer, conversations[i]) for i in todo]
+        if warmup and turn == 0:
+            spare = torch.Generator(generator.device).manual_seed(0)
+            decode(target, draft, prompt_ids[:1], dict(settings, max_new_tokens=16), spare)
+        start = _clock(target)
+        outputs = decode(target, draft, prompt_ids, settings, generator)
+        seconds += _clock(target) - start
+        for i, ids, out in zip(todo, prompt_ids, outputs, strict=True):
+            answer = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            conversations[i].append({"role": "assistant", "content": answer})
+            samples.append(_sample(prompts[i]["id"], turn, ids, out))
+    return samples, seconds
+
+
+def decode(
+    target: Any,
+    draft: DFlash2DraftModel | None,
+    prompt_ids: list[list[int]],
+    settings: dict[str, Any],
+    generator: torch.Generator,
+) -> list[Generation]:
+    """Speculative decoding, or the target alone when there is no drafter."""
+    if draft is None:
+        return target_generate(target, prompt_ids, generator=generator, **settings)
+    return speculative_generate(target, draft, prompt_ids, generator=generator, **settings)
+
+
+def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -> dict[str, Any]:
+    return {
+        "id": prompt_id,
+        "turn": turn,
+        "prompt_ids": prompt_ids,
+        "output_ids": out.output_ids,
+        "accept_lengths": out.accept_lengths,
+    }
+
+
+def _clock(target: Any) -> float:
+    if target.lm_head_weight.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """One evaluation run; writes results.json and samples.jsonl into run_dir and returns the results."""
+    from dflash2.bench import load_prompts
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.draft.get("path"):
+        raise ValueError("draft.path is not set: pass draft=<export dir> (a folder written by export.py)")
+    device = resolve_device(cfg.get("device"))
+    kernels.set_backend(cfg.kernels)
+    target, draft, identity = load_pair(cfg, device)
+    trained_block_size = draft.config.block_size
+    block_size = int(cfg.block_size or trained_block_size)
+    use_selector = bool(cfg.draft.selector) and draft.candidate_selector is not None
+    if cfg.draft.selector and draft.candidate_selector is None:
+        log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
+    prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
+    if not prompts:
+        raise ValueError(f"bench {cfg.bench.name!r} with limit={cfg.bench.get('limit')} has no prompts")
+    settings = dict(
+        max_new_tokens=int(cfg.max_new_tokens),
+        temperature=float(cfg.temperature),
+        top_k=int(cfg.top_k),
+        top_p=float(cfg.top_p),
+        stop_ids=stop_token_ids(target, list(cfg.stop_tokens)),
+        batch_size=int(cfg.batch_size),
+    )
+    seed = int(cfg.seed)
+    samples, seconds = generate_turns(
+        target,
+        draft,
+        prompts,
+        dict(settings, block_size=block_size, use_selector=use_selector),
+        bool(cfg.multi_turn),
+        torch.Generator(device).manual_seed(seed),
+        bool(cfg.warmup),
+    )
+    num_tokens = sum(len(s["output_ids"]) for s in samples)
+    manifest = draft.config.extra.get(MANIFEST_KEY)
+    tau_sim = read_tau_sim(cfg.draft.path, manifest)
+    results: dict[str, Any] = {
+        **acceptance_stats([s["accept_lengths"] for s in samples], block_size),
+        "tau_sim": tau_sim,
+        "num_prompts": len(prompts),
+        "num_requests": len(samples),
+        "num_tokens": num_tokens,
+        "tokens_per_s": num_tokens / seconds if seconds > 0 else None,
+        "seconds": seconds,
+        "temperature": settings["temperature"],
+        "top_k": settings["top_k"],
+        "top_p": settings["top_p"],
+        "block_size": block_size,
+        "max_new_tokens": settings["max_new_tokens"],
+        "batch_size": settings["batch_size"],
+        "multi_turn": bool(cfg.multi_turn),
+        "bench": cfg.bench.name,
+        "kernels": kernels.get_backend(),
+        "device": str(device),
+        "seed": seed,
+        "draft": {
+            "path": str(Path(cfg.draft.path).expanduser().resolve()),
+            "name": Path(cfg.draft.path).name,
+            "architecture": draft.config.to_dict()["architectures"][0],
+            "selector": use_selector,
+            "conv": draft.config.use_conv,
+            "trained_block_size": trained_block_size,
+            "manifest": manifest,
+        },
+        "target": identity,
+    }
+    # tau_sim was measured at the trained block size: a gap at another size would compare different things.
+    comparable = tau_sim is not None and block_size == trained_block_size
+    results["tau_gap"] = tau_sim - results["tau"] if comparable else None
+    if cfg.get("baseline"):
+        results["baseline"] = _baseline(target, prompts, settings, cfg, seed, samples)
+    with open(run_dir / "samples.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _baseline(
+    target: Any, prompts: list[dict], settings: dict[str, Any], cfg: DictConfig, seed: int, samples: list[dict]
+) -> dict[str, Any]:
+    """The target alone on the same prompts: its speed, and at T = 0 a check that decoding was lossless."""
+    reference, seconds = generate_turns(
+        target,
+        None,
+        prompts,
+        settings,
+        bool(cfg.multi_turn),
+        torch.Generator(resolve_device(cfg.get("device"))).manual_seed(seed),
+        bool(cfg.warmup),
+    )
+    tokens = sum(len(s["output_ids"]) for s in reference)
+    out: dict[str, Any] = {"tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds}
+    if settings["temperature"] == 0:
+        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(samples, reference, strict=True))
+        out["identical_outputs"] = same / len(samples)
+        if same < len(samples):
+            log.warning(
+                "%d of %d greedy outputs differ from the target's own (numerics of batched vs one-token "
+                "forwards, or a bug)",
+                len(samples) - same,
+                len(samples),
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def format_table(results: dict[str, Any]) -> str:
+    r = results
+    tau_sim = "-" if r.get("tau_sim") is None else f"{r['tau_sim']:.3f}"
+    speed = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"
+    head = ["bench", "draft", "selector", "T", "B", "prompts", "steps", "tau", "tau_sim", "tokens/s"]
+    row = [
+        r["bench"],
+        r["draft"]["name"],
+        str(r["draft"]["selector"]).lower(),
+        f"{r['temperature']:g}",
+        str(r["block_size"]),
+        str(r["num_prompts"]),
+        str(r["num_steps"]),
+        f"{r['tau']:.3f}",
+        tau_sim,
+        speed,
+    ]
+    widths = [max(len(a), len(b)) for a, b in zip(head, row, strict=True)]
+    lines = ["  ".join(a.ljust(w) for a, w in zip(cells, widths, strict=True)) for cells in (head, row)]
+    curve = " ".join(f"{a:.2f}" for a in r["per_position_accept"])
+    lines += [
+        f"acceptance by slot 1..{r['block_size'] - 1}: {curve}",
+        f"committed-length histogram 1..{r['block_size']}: {r['accept_hist']}",
+    ]
+    if r.get("baseline"):
+        b = r["baseline"]
+        lines.append(
+            f"target alone: {b['tokens_per_s']:.1f} tokens/s"
+            + (f", identical greedy outputs {b['identical_outputs']:.0%}" if "identical_outputs" in b else "")
+        )
+    return "\n".join(lines)
+
+
+def log_wandb(cfg: DictConfig, results: dict[str, Any], run_dir: str | Path) -> None:
+    """One W&B run per evaluation (offline unless WANDB_MODE says otherwise), files under the run folder."""
+    import wandb
+
+    name = (
+        f"{results['bench']}-T{results['temperature']:g}-B{results['block_size']}"
+        f"{'' if results['draft']['selector'] else '-noselector'}"
+    )
+    run = wandb.init(
+        project=cfg.wandb.project,
+        name=name,
+        dir=str(run_dir),
+        job_type="evaluate",
+        mode=os.environ.get("WANDB_MODE", cfg.wandb.mode),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        reinit="finish_previous",
+    )
+    curve = wandb.Table(
+        columns=["slot", "accept_rate"], data=[[k + 1, a] for k, a in enumerate(results["per_position_accept"])]
+    )
+    hist = wandb.Table(columns=["committed", "steps"], data=[[n + 1, c] for n, c in enumerate(results["accept_hist"])])
+    run.log(
+        {
+            "acceptance_curve": wandb.plot.line(curve, "slot", "accept_rate", title="acceptance by slot"),
+            "accept_hist": wandb.plot.bar(hist, "committed", "steps", title="committed tokens per step"),
+            "acceptance_table": curve,
+        }
+    )
+    run.summary.update(
+        {
+            k: results[k]
+            for k in ("tau", "tau_sim", "tau_gap", "num_steps", "num_prompts", "tokens_per_s")
+            if results.get(k) is not None
+        }
+    )
+    run.finish()
+
+
+def main(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    results = evaluate(cfg, run_dir)
+    print(format_table(results))
+    print(f"wrote {Path(run_dir) / 'results.json'} and samples.jsonl")
+    if cfg.wandb.enabled:
+        log_wandb(cfg, results, run_dir)
+    return results

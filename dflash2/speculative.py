@@ -1,0 +1,381 @@
+"""Speculative decoding with a DFlash2 drafter and its frozen target, verified losslessly (contract section 6).
+
+One verify step per batch: the drafter proposes a block `[anchor, d_1 .. d_{B-1}]` in one forward pass, the
+target scores the whole block in one forward pass, and every request keeps `accepted + 1` tokens.
+
+Ragged acceptance without ragged caches: every step appends all B block slots to the target's KV cache and to
+the drafter's context cache for every request, then masks the rejected ones. `key_mask` ([b, slots], 1 = a
+committed token) is the target's 2D attention mask with holes, and each request's positions count only its
+committed tokens, so RoPE positions are exactly those of plain decoding. Prompts are right-padded: a padded query
+row then still sees its prompt, so no attention row is ever empty (an empty row makes NaN that leaks through
+masked keys).
+
+All randomness comes from one seeded `torch.Generator`, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from dflash2.model import DFlash2DraftModel, DraftCache
+from dflash2.selector import head_logits
+
+
+@dataclasses.dataclass
+class Generation:
+    """One request's output. `output_ids[0]` comes from the prefill; each verify step then adds
+    `accept_lengths[i]` tokens (accepted proposals + 1), counted up to a stop token or `max_new_tokens`,
+    so `len(output_ids) == 1 + sum(accept_lengths)`."""
+
+    output_ids: list[int]
+    accept_lengths: list[int]
+
+
+# ---------------------------------------------------------------------------------------------- distributions
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution the target samples from: softmax(logits / T) after top-k / top-p, fp32, any leading dims."""
+    scores = logits.float().reshape(-1, logits.shape[-1]) / temperature
+    if top_k and top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1).view(logits.shape)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def selector_q(candidate_ids: torch.Tensor, q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The walk's q over its K candidates [b, S, K] -> the same distribution over the vocabulary [b, S, vocab]."""
+    return q.new_zeros(*q.shape[:-1], vocab).scatter_(-1, candidate_ids, q)
+
+
+# ---------------------------------------------------------------------------------------------- draft and verify
+def propose(
+    draft: DFlash2DraftModel,
+    lm_head_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    temperature: float,
+    use_selector: bool,
+    vocab: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft hidden of the proposing slots [b, S, H] -> (tokens [b, S], q [b, S, vocab] or None when greedy).
+
+    q is the distribution each token was really drawn from: the walk's softmax over its K candidates with a
+    selector, the full-vocabulary softmax without one."""
+    b, n_slots, _ = hidden.shape
+    greedy = temperature == 0
+    selector = draft.candidate_selector if use_selector else None
+    if selector is not None:
+        candidates, unary = selector.compute_candidates(hidden, lm_head_weight)
+        scores = selector.build_lattice(candidates, unary, hidden, anchors)
+        uniforms = torch.rand(b, n_slots, generator=generator, device=hidden.device)
+        temperatures = torch.full((b,), max(temperature, 1e-5), device=hidden.device)
+        greedy_mask = torch.full((b,), greedy, dtype=torch.bool, device=hidden.device)
+        tokens, q = selector.walk(candidates, scores, uniforms, temperatures, greedy_mask)
+        return tokens, None if greedy else selector_q(candidates, q, vocab)
+    logits = head_logits(hidden, lm_head_weight, draft.config.vocab_size)
+    if greedy:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits / temperature, dim=-1)
+    return sample(q, generator), F.pad(q, (0, vocab - q.shape[-1]))
+
+
+def verify(
+    logits: torch.Tensor,
+    proposals: torch.Tensor,
+    q: torch.Tensor | None,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits over the block [b, B, V] verify proposals [b, B-1] -> (accepted [b], bonus token [b]).
+
+    Logits at block index j predict the token at j + 1, so proposal s is checked against logits[:, s - 1] and the
+    bonus comes from logits[:, accepted]."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    if temperature == 0:
+        best = logits.argmax(-1)
+        accepted = (proposals == best[:, :-1]).long().cumprod(-1).sum(-1)
+        return accepted, best[rows, accepted]
+    p = target_probs(logits, temperature, top_k, top_p)
+    p_d = p[:, :-1].gather(-1, proposals[..., None]).squeeze(-1)
+    q_d = q.gather(-1, proposals[..., None]).squeeze(-1)
+    # Accept d with probability min(1, p(d) / q(d)); q(d) > 0 because d was drawn from q.
+    uniforms = torch.rand(proposals.shape, generator=generator, device=logits.device)
+    accepted = (uniforms * q_d < p_d).long().cumprod(-1).sum(-1)
+    # A zero q after the last slot turns the residual max(p - q, 0) into p itself: the all-accepted bonus.
+    q_after = F.pad(q, (0, 0, 0, 1))[rows, accepted]
+    p_at = p[rows, accepted]
+    residual = (p_at - q_after).clamp(min=0)
+    # p == q leaves nothing to resample; rejection then has probability 0, any distribution is fine.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+    return accepted, sample(residual / residual.sum(-1, keepdim=True), generator)
+
+
+def first_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    return sample(target_probs(logits, temperature, top_k, top_p), generator)
+
+
+# ---------------------------------------------------------------------------------------------- bookkeeping
+def pad_right(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("an empty prompt: every request needs at least one token (render the chat template)")
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p, device=device)
+        mask[i, : len(p)] = 1
+    return ids, mask
+
+
+class Requests:
+    """Per-request Python state of one batch: tokens, accept lengths, which batch row holds which request."""
+
+    def __init__(self, n: int, max_new_tokens: int, stop_ids: set[int]) -> None:
+        self.out = [Generation([], []) for _ in range(n)]
+        self.rows = list(range(n))  # batch row -> request
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+
+    def commit(self, row: int, tokens: list[int]) -> bool:
+        """Append a step's tokens to the request at `row`, cut at a stop token / the budget; True when done."""
+        gen = self.out[self.rows[row]]
+        kept = tokens[: self.max_new_tokens - len(gen.output_ids)]
+        stops = [i for i, t in enumerate(kept) if t in self.stop_ids]
+        if stops:
+            kept = kept[: stops[0] + 1]
+        if gen.output_ids:  # the prefill's token is not a verify step
+            gen.accept_lengths.append(len(kept))
+        gen.output_ids.extend(kept)
+        return len(gen.output_ids) >= self.max_new_tokens or bool(stops)
+
+    def drop_done(self, done: list[bool]) -> torch.Tensor:
+        """Forget finished rows -> indices of the rows that keep decoding."""
+        keep = [i for i, d in enumerate(done) if not d]
+        self.rows = [self.rows[i] for i in keep]
+        return torch.tensor(keep, dtype=torch.long)
+
+
+@dataclasses.dataclass
+class Rows:
+    """Tensors of the requests still decoding. The target's KV cache and the drafter's context cache hold the
+    same slots (the prompt, then B per verify step), so one mask and one set of positions serve both."""
+
+    key_mask: torch.Tensor  # [b, slots] 1 = a committed token, 0 = padding or a rejected proposal
+    positions: torch.Tensor  # [b, slots] RoPE position of each slot = committed tokens before it
+    lengths: torch.Tensor  # [b] committed tokens = the position of the anchor
+    anchor: torch.Tensor  # [b] the last committed token, not yet seen by the target
+    features: torch.Tensor  # [b, c, n*H] target features of the last c slots, not yet in the drafter's cache
+
+    def select(self, keep: torch.Tensor) -> Rows:
+        return Rows(*(getattr(self, f.name)[keep] for f in dataclasses.fields(self)))
+
+
+def draft_mask(draft: DFlash2DraftModel, rows: Rows, block_size: int) -> torch.Tensor | dict:
+    """Bool [b, 1, B, slots + B]: the block sees every committed context slot and all of itself; on sliding
+    layers only the context of the last `sliding_window` positions."""
+    valid = rows.key_mask.bool()
+    ones = valid.new_ones(valid.shape[0], block_size)
+    full = torch.cat([valid, ones], -1)[:, None, None].expand(-1, 1, block_size, -1)
+    cfg = draft.config
+    if "sliding_attention" not in cfg.layer_types:
+        return full
+    recent = valid & (rows.positions >= rows.lengths[:, None] - cfg.sliding_window)
+    sliding = torch.cat([recent, ones], -1)[:, None, None].expand(-1, 1, block_size, -1)
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
+def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Zero the features of masked slots: a padded or rejected slot may hold anything (even NaN), and a masked
+    key still multiplies its value by 0 inside attention."""
+    return torch.where(kept[..., None], features, 0)
+
+
+def select_caches(keep: torch.Tensor, cache: Any, draft_cache: DraftCache) -> None:
+    cache.batch_select_indices(keep)
+    draft_cache.keys = [None if k is None else k[keep] for k in draft_cache.keys]
+    draft_cache.values = [None if v is None else v[keep] for v in draft_cache.values]
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+@torch.no_grad()
+def speculative_generate(
+    target: Any,
+    draft: DFlash2DraftModel,
+    prompts_ids: list[list[int]],
+    block_size: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids: list[int] | set[int] = (),
+    batch_size: int = 8,
+    use_selector: bool = True,
+    generator: torch.Generator | None = None,
+) -> list[Generation]:
+    """Decode every prompt with draft-then-verify steps; greedy output equals the target's own greedy output.
+
+    `target` is a `dflash2.target.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
+    if draft.config.block_size != block_size:
+        draft.set_block_size(block_size)
+    device = target.lm_head_weight.device
+    generator = generator or torch.Generator(device=device).manual_seed(0)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    results: list[Generation] = []
+    for start in range(0, len(prompts_ids), batch_size):
+        requests = Requests(len(prompts_ids[start : start + batch_size]), max_new_tokens, set(stop_ids))
+        decode_batch(
+            target,
+            draft,
+            prompts_ids[start : start + batch_size],
+            requests,
+            block_size,
+            sampling,
+            use_selector,
+            generator,
+        )
+        results += requests.out
+    return results
+
+
+def decode_batch(
+    target: Any,
+    draft: DFlash2DraftModel,
+    prompts: list[list[int]],
+    requests: Requests,
+    block_size: int,
+    sampling: dict,
+    use_selector: bool,
+    generator: torch.Generator,
+) -> None:
+    ids, key_mask = pad_right(prompts, target.lm_head_weight.device)
+    device, temperature = ids.device, sampling["temperature"]
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    out = target.forward(ids, attention_mask=key_mask, position_ids=positions, use_cache=True)
+    lengths = key_mask.sum(-1)
+    anchor = first_token(
+        out.logits[torch.arange(len(prompts), device=device), lengths - 1], generator=generator, **sampling
+    )
+    done = [requests.commit(i, [t]) for i, t in enumerate(anchor.tolist())]
+    rows = Rows(key_mask, positions, lengths, anchor, only_kept(out.hidden, key_mask.bool()))
+    cache, draft_cache = out.past_key_values, DraftCache(draft.config.num_hidden_layers)
+    offsets = torch.arange(block_size, device=device)
+    while True:
+        if any(done):
+            keep = requests.drop_done(done).to(device)
+            if not requests.rows:
+                return
+            rows = rows.select(keep)
+            select_caches(keep, cache, draft_cache)
+
+        # Draft: the new context into the drafter's cache, then one forward over [anchor, MASK, ...].
+        block_positions = rows.lengths[:, None] + offsets
+        masks = torch.full_like(block_positions[:, 1:], draft.config.mask_token_id)
+        block_ids = torch.cat([rows.anchor[:, None], masks], -1)
+        c = rows.features.shape[1]
+        hidden = draft(
+            target.embed_tokens(block_ids),
+            block_positions,
+            draft.fuse(rows.features),
+            rows.positions[:, -c:],
+            attention_mask=draft_mask(draft, rows, block_size),
+            cache=draft_cache,
+        )
+        proposals, q = propose(
+            draft,
+            target.lm_head_weight,
+            hidden[:, 1:],
+            rows.anchor,
+            temperature=temperature,
+            use_selector=use_selector,
+            vocab=target.lm_head_weight.shape[0],
+            generator=generator,
+        )
+
+        # Verify: the whole block enters the target's cache; the rejected slots are masked from now on.
+        key_mask = torch.cat([rows.key_mask, torch.ones_like(block_ids)], -1)
+        out = target.forward(
+            torch.cat([rows.anchor[:, None], proposals], -1),
+            attention_mask=key_mask,
+            position_ids=block_positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = out.past_key_values
+        accepted, bonus = verify(out.logits, proposals, q, generator=generator, **sampling)
+        kept = offsets[None] <= accepted[:, None]  # the anchor and the accepted proposals
+        key_mask[:, -block_size:] = kept
+        rows = Rows(
+            key_mask,
+            torch.cat([rows.positions, block_positions], -1),
+            rows.lengths + accepted + 1,
+            bonus,
+            only_kept(out.hidden, kept),
+        )
+        done = [
+            requests.commit(i, row[:a] + [t])
+            for i, (row, a, t) in enumerate(zip(proposals.tolist(), accepted.tolist(), bonus.tolist(), strict=True))
+        ]
+
+
+@torch.no_grad()
+def target_generate(
+    target: Any,
+    prompts_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids: list[int] | set[int] = (),
+    batch_size: int = 8,
+    generator: torch.Generator | None = None,
+) -> list[Generation]:
+    """The target alone, one token per forward, with the same padding and cache machinery: the reference, and the
+    autoregressive baseline (every step commits 1 token, tau = 1)."""
+    device = target.lm_head_weight.device
+    generator = generator or torch.Generator(device=device).manual_seed(0)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    results: list[Generation] = []
+    for start in range(0, len(prompts_ids), batch_size):
+        ids, key_mask = pad_right(prompts_ids[start : start + batch_size], device)
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+        out = target.forward(ids, attention_mask=key_mask, position_ids=positions, use_cache=True)
+        lengths = key_mask.sum(-1)
+        token = first_token(
+            out.logits[torch.arange(ids.shape[0], device=device), lengths - 1], generator=generator, **sampling
+        )
+        requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids))
+        done = [requests.commit(i, [t]) for i, t in enumerate(token.tolist())]
+        while not all(done):  # finished rows keep decoding (and are ignored): the reference favours simplicity
+            key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], -1)
+            out = target.forward(
+                token[:, None],
+                attention_mask=key_mask,
+                position_ids=lengths[:, None],
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            lengths = lengths + 1
+            token = first_token(out.logits[:, -1], generator=generator, **sampling)
+            done = [d or requests.commit(i, [t]) for i, (d, t) in enumerate(zip(done, token.tolist(), strict=True))]
+        results += requests.out
+    return results

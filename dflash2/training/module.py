@@ -1,0 +1,245 @@
+"""The LightningModule: a frozen target feeds the drafter, which learns to propose whole blocks.
+
+The target is kept out of the module tree on purpose: it is never saved, never wrapped by DDP/FSDP and never
+optimised; only `self.draft` (contract tensor names under `draft.`) is in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics import Metric
+
+from dflash2.config import DFlash2Config
+from dflash2.manifest import MANIFEST_KEY
+from dflash2.model import DFlash2DraftModel
+from dflash2.training.losses import draft_losses, selector_alpha, slot_weights, summarise
+
+log = logging.getLogger(__name__)
+
+# Parameters DFlash2 adds on top of a DFlash backbone: what `train_backbone=false` still trains.
+HEAD_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")
+# Structural fields a warm start takes from the draft config, not from the loaded folder.
+WARM_START_FIELDS = (
+    "block_size",
+    "mask_token_id",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+
+
+class DraftMetrics(Metric):
+    """Sums of the counts of `draft_losses` over an epoch (and over ranks): accuracies are sum(correct)/sum(n)."""
+
+    full_state_update = False
+
+    def __init__(self, slots: int, selector: bool) -> None:
+        super().__init__()
+        names = ["ce_sum", "weight_sum"]
+        if selector:
+            names += ["topk_hit", "topk_total", "selector_hit", "selector_total", "selector_sum", "selector_weight_sum"]
+        self.names = names
+        self.add_state("correct", torch.zeros(slots, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros(slots, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in names:
+            self.add_state(name, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, counts: dict[str, torch.Tensor]) -> None:
+        for name in ["correct", "total", *self.names]:
+            setattr(self, name, getattr(self, name) + counts[name].detach().double())
+
+    def compute(self) -> dict[str, float]:
+        return summarise({name: getattr(self, name) for name in ["correct", "total", *self.names]})
+
+
+class DFlash2Module(L.LightningModule):
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft_config: dict[str, Any],
+        init_from: str | None = None,
+        train_backbone: bool = True,
+        lr: float = 6e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_ratio: float = 0.04,
+        fused: bool = True,
+        loss_gamma: float | None = None,
+        selector_alpha: float = 1.0,
+        selector_warmup_steps: int = 0,
+        selector_ramp_steps: int = 0,
+        selector_detach: bool = False,
+        logits_chunk_rows: int = 0,
+        manifest: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["target", "manifest"])
+        # Not a submodule: Lightning would otherwise save it, wrap it and hand it to the optimizer.
+        object.__setattr__(self, "target", target)
+        self.manifest = manifest or {}
+        config = DFlash2Config.from_dict(draft_config)
+        config.extra.pop(MANIFEST_KEY, None)  # a warm start's manifest described another run
+        if init_from:
+            overrides = {f: getattr(config, f) for f in WARM_START_FIELDS}
+            self.draft = DFlash2DraftModel.from_pretrained(init_from, **overrides)
+            self.draft.config.extra.pop(MANIFEST_KEY, None)
+            log.info("warm start from %s", init_from)
+        else:
+            self.draft = DFlash2DraftModel(config)
+        # What the checkpoint declares is the drafter actually built (a warm start may change layers/ids).
+        self.hparams["draft_config"] = self.draft.config.to_dict()
+        if not train_backbone:
+            freeze_backbone(self.draft)
+        self.register_buffer("slot_weights", slot_weights(self.draft.config.block_size, loss_gamma), persistent=False)
+        slots, has_selector = self.draft.config.block_size - 1, self.draft.candidate_selector is not None
+        self.val_metrics = DraftMetrics(slots, has_selector)
+        self.latest_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the step
+    def setup(self, stage: str) -> None:
+        # Here, not in on_*_start hooks: those run under inference mode, and a target moved there would hold
+        # inference tensors that autograd refuses to save (its head is in the drafter's graph).
+        self.target.to(self.trainer.strategy.root_device)
+
+    def draft_step(self, batch: dict[str, torch.Tensor]):
+        """Teacher-forced pass over the batch's blocks -> DraftLosses."""
+        cfg = self.draft.config
+        b, length = batch["input_ids"].shape
+        n = batch["anchors"].shape[1]
+        features = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False).hidden
+        context = self.draft.fuse(features)
+        block_embeds = self.target.embed_tokens(batch["block_ids"])
+        context_positions = torch.arange(length, device=self.device).expand(b, length)
+        mask = block_attention_mask(batch, length, cfg.block_size)
+        hidden = self.draft(block_embeds, batch["block_positions"], context, context_positions, mask)
+        hidden = hidden.view(b, n, cfg.block_size, -1)[:, :, 1:]
+        labels = batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), -100)
+        anchor_ids = batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0]
+        return draft_losses(
+            hidden,
+            labels,
+            anchor_ids,
+            self.target.lm_head_weight,
+            cfg.vocab_size,
+            self.slot_weights,
+            self.draft.candidate_selector,
+            self.hparams.selector_detach,
+            self.hparams.logits_chunk_rows,
+        )
+
+    def current_selector_alpha(self) -> float:
+        h = self.hparams
+        return selector_alpha(self.global_step, h.selector_alpha, h.selector_warmup_steps, h.selector_ramp_steps)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.draft_step(batch)
+        loss = out.ce
+        logs = {"loss_ce": out.ce.detach()}
+        if out.selector is not None:
+            alpha = self.current_selector_alpha()
+            loss = loss + alpha * out.selector
+            logs |= {"loss_selector": out.selector.detach(), "selector_alpha": alpha}
+        stats = summarise(out.counts)
+        stats.pop("loss_ce"), stats.pop("loss_selector", None)
+        logs |= {"loss": loss.detach(), **stats}
+        self.log_dict(
+            {f"train/{k}": v for k, v in logs.items() if not _isnan(v)},
+            on_step=True,
+            on_epoch=False,
+            prog_bar=False,
+            batch_size=batch["input_ids"].shape[0],
+        )
+        self.log("tau", stats["tau_sim"], prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_metrics.update(self.draft_step(batch).counts)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.val_metrics.compute()
+        self.val_metrics.reset()
+        metrics = {k: v for k, v in metrics.items() if not _isnan(v)}
+        if "loss_selector" in metrics:
+            metrics["loss"] = metrics["loss_ce"] + self.current_selector_alpha() * metrics["loss_selector"]
+        # Already summed over ranks by the metric; sync_dist only averages identical values (and keeps Lightning quiet).
+        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=True)
+        self.log("val_tau", metrics["tau_sim"], prog_bar=True, logger=False, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.latest_metrics = {f"val/{k}": float(v) for k, v in metrics.items()}
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        from transformers import get_cosine_schedule_with_warmup
+
+        h = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.draft.named_parameters():
+            if p.requires_grad:
+                # Norm gains and the conv's identity taps are the structure, not capacity: never shrunk.
+                (no_decay if p.dim() < 2 or name.endswith("base_kernel") else decay).append(p)
+        groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # The fused step is one kernel over all tensors (CPU too): several times faster than the loop over them.
+        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), fused=h.get("fused", True))
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(h.warmup_ratio * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from dflash2.manifest import build_manifest
+
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("draft.")}
+        extra = {k: v for k, v in self.manifest.items() if k not in ("identity", "data_source")}
+        manifest = build_manifest(
+            self.manifest.get("identity", {}), self.manifest.get("data_source", "unknown"), self.global_step, **extra
+        )
+        checkpoint["dflash2"] = {
+            "manifest": manifest,
+            "metrics": dict(self.latest_metrics),
+            "step": int(self.global_step),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        info = checkpoint.get("dflash2") or {}
+        self.latest_metrics = dict(info.get("metrics") or {})
+
+
+def freeze_backbone(draft: DFlash2DraftModel) -> None:
+    """Train only the DFlash2 additions (conv and selector); the DFlash backbone stays as loaded."""
+    trainable = 0
+    for name, p in draft.named_parameters():
+        keep = name.split(".")[0] == "candidate_selector" or any(f".{part}." in name for part in HEAD_PARTS)
+        p.requires_grad_(keep)
+        trainable += p.numel() if keep else 0
+    if not trainable:
+        raise ValueError(
+            "draft.train_backbone=false leaves nothing to train: this drafter has neither conv nor "
+            "selector (set draft.conv_kernel_size/selector_rank, or train_backbone=true)"
+        )
+
+
+def block_attention_mask(batch: dict[str, torch.Tensor], length: int, block_size: int) -> Any:
+    """The training mask of contract section 7: flex BlockMask on CUDA, the equivalent dense bool mask elsewhere."""
+    from dflash2.data.anchors import dense_block_mask, flex_block_mask
+
+    args = (batch["anchors"], batch["anchor_valid"], length, block_size, batch["attention_mask"])
+    return flex_block_mask(*args) if batch["anchors"].is_cuda else dense_block_mask(*args)
+
+
+def _isnan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def run_dir_of(ckpt_path: str | Path) -> Path:
+    """<run>/checkpoints/last.ckpt -> <run>."""
+    path = Path(ckpt_path).absolute()
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent

@@ -1,0 +1,215 @@
+"""`python train.py`: build the target, data, drafter, logger and Trainer from the Hydra config, then fit.
+
+A resumed run (`ckpt_path=<run>/checkpoints/last.ckpt`) reuses its run directory and its W&B run id, and
+Lightning restores the step count, optimizer and scheduler from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dflash2.config import DFlash2Config
+from dflash2.training.module import DFlash2Module, run_dir_of
+
+log = logging.getLogger(__name__)
+
+DRAFT_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+WANDB_ID_FILE = "wandb_id.txt"
+
+
+def _run_dir(ckpt_path: str | None, default: str) -> str:
+    return str(run_dir_of(ckpt_path)) if ckpt_path else default
+
+
+def _precision() -> str:
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def register_resolvers() -> None:
+    """`${dflash2_run_dir:ckpt,default}` (a resumed run keeps its folder) and `${dflash2_precision:}`."""
+    if not OmegaConf.has_resolver("dflash2_run_dir"):
+        OmegaConf.register_new_resolver("dflash2_run_dir", _run_dir, use_cache=True)
+    if not OmegaConf.has_resolver("dflash2_precision"):
+        OmegaConf.register_new_resolver("dflash2_precision", _precision)
+
+
+class ValidateAtMaxSteps(Callback):
+    """Make a run that ends on `max_steps` inside an epoch validate (and checkpoint) at its last step.
+
+    Lightning validates when a stop is requested, but reaching max_steps is not a request; this makes it one.
+    """
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
+def draft_config_for(target: Any, model_cfg: DictConfig, draft_cfg: DictConfig) -> DFlash2Config:
+    """The drafter shares the target's dimensions; block, mask and layer ids come from the model group and the
+    DFlash2 parts from the draft group."""
+    fields = target.draft_config_fields()
+    fields.update(
+        num_hidden_layers=int(model_cfg.num_draft_layers),
+        block_size=int(model_cfg.block_size),
+        mask_token_id=model_cfg.get("mask_token_id"),
+        target_layer_ids=list(model_cfg.target_layer_ids) if model_cfg.get("target_layer_ids") else None,
+    )
+    fields.update({f: int(draft_cfg.get(f) or 0) for f in DRAFT_FIELDS})
+    if fields["mask_token_id"] is None:
+        raise ValueError(
+            "model.mask_token_id is not set: pick an id the target's chat never produces "
+            "(dflash2.target.choose_mask_token suggests one)"
+        )
+    return DFlash2Config(**fields)
+
+
+def adopt_warm_start(cfg: DictConfig) -> None:
+    """A warm start fixes the drafter's depth and the target layers it reads: the target must capture those."""
+    if not cfg.draft.get("init_from"):
+        return
+    saved = DFlash2Config.from_pretrained(cfg.draft.init_from)
+    with open_dict(cfg):
+        for key, value in (
+            ("num_draft_layers", saved.num_hidden_layers),
+            ("target_layer_ids", list(saved.target_layer_ids)),
+        ):
+            current = cfg.model.get(key)
+            if OmegaConf.is_config(current):
+                current = OmegaConf.to_object(current)
+            if current is not None and current != value:
+                log.warning("model.%s=%s replaced by %s from draft.init_from", key, cfg.model[key], value)
+            cfg.model[key] = value
+
+
+def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
+    from hydra.utils import instantiate
+
+    if not cfg.get("logger") or not cfg.logger.get("_target_"):
+        return False
+    kwargs: dict[str, Any] = {}
+    if cfg.logger._target_.endswith("WandbLogger"):
+        # W&B offline unless the user chose a mode; one run id per run dir, so a resume continues the run.
+        os.environ.setdefault("WANDB_MODE", "offline")
+        id_file = run_dir / WANDB_ID_FILE
+        if not cfg.logger.get("id"):
+            if not id_file.is_file():
+                id_file.parent.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(uuid.uuid4().hex[:8])
+            kwargs["id"] = id_file.read_text().strip()
+    return instantiate(cfg.logger, **kwargs)
+
+
+def build_data(cfg: DictConfig, target: Any, draft_config: DFlash2Config) -> Any:
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.data, tokenizer=target.tokenizer, block_size=draft_config.block_size, _recursive_=False)
+
+
+def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]:
+    """Fit a drafter; returns {"run_dir", "ckpt_path", "start": val metrics at step 0, "end": latest val, ...}.
+
+    `callbacks` are added to the configured ones (tests use this to look inside a run)."""
+    import lightning as L
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+
+    from dflash2.manifest import target_identity
+    from dflash2.target import TargetModel
+
+    started = time.time()
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if HydraConfig.initialized():
+        # The folder Hydra made for this job; DDP workers are re-launched with the launching process's folder.
+        with open_dict(cfg):
+            cfg.run_dir = HydraConfig.get().runtime.output_dir
+    run_dir = Path(cfg.run_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    adopt_warm_start(cfg)
+
+    target = TargetModel.from_config(cfg.model)
+    draft_config = draft_config_for(target, cfg.model, cfg.draft)
+    datamodule = build_data(cfg, target, draft_config)
+    d, o = cfg.draft, cfg.optim
+    manifest = {
+        "identity": target_identity(cfg.model.name, target.config, target.tokenizer),
+        "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
+        "run": cfg.task_name,
+    }
+    module = DFlash2Module(
+        target,
+        draft_config.to_dict(),
+        init_from=d.get("init_from"),
+        train_backbone=d.train_backbone,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
+        warmup_ratio=o.warmup_ratio,
+        fused=o.get("fused", True),
+        loss_gamma=d.get("loss_gamma"),
+        selector_alpha=d.selector_alpha,
+        selector_warmup_steps=d.selector_warmup_steps,
+        selector_ramp_steps=d.selector_ramp_steps,
+        selector_detach=d.selector_detach,
+        logits_chunk_rows=d.get("logits_chunk_rows") or 0,
+        manifest=manifest,
+    )
+
+    logger = build_logger(cfg, run_dir)
+    configured = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]
+    if not logger:  # a learning-rate monitor without a logger is an error in Lightning
+        configured = [c for c in configured if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
+    trainer = instantiate(
+        cfg.trainer, logger=logger, callbacks=configured + list(callbacks or []), default_root_dir=str(run_dir)
+    )
+    if trainer.logger and cfg.logger.get("_target_", "").endswith("WandbLogger") and trainer.is_global_zero:
+        trainer.logger.experiment.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
+
+    start: dict[str, float] = {}
+    if cfg.ckpt_path is None and cfg.get("validate_first", True):
+        start = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    end = dict(module.latest_metrics)
+    if logger and hasattr(logger.experiment, "finish"):  # W&B: close the run so a later train() starts its own
+        logger.experiment.finish()
+
+    ckpt = next((c for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")), None)
+    result = {
+        "run_dir": str(run_dir),
+        "ckpt_path": getattr(ckpt, "last_model_path", None),
+        "start": start,
+        "end": end,
+        "global_step": trainer.global_step,
+        "seconds": time.time() - started,
+    }
+    if trainer.is_global_zero:
+        print(summary(result))
+    return result
+
+
+def summary(result: dict[str, Any]) -> str:
+    start, end = result["start"].get("val/tau_sim"), result["end"].get("val/tau_sim")
+    lines = [
+        f"run dir     {result['run_dir']}",
+        f"checkpoint  {result['ckpt_path']}",
+        f"steps       {result['global_step']} in {result['seconds'] / 60:.1f} min",
+    ]
+    if start is not None:
+        lines.append(
+            f"val tau_sim {start:.3f} at step 0 -> {end:.3f} at step {result['global_step']}"
+            if end is not None
+            else f"val tau_sim {start:.3f} at step 0"
+        )
+    elif end is not None:
+        lines.append(f"val tau_sim {end:.3f} at step {result['global_step']}")
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""evaluate.py: results.json agrees with samples.jsonl, multi-turn prompts, manifest refusal, a sweep + notebook."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from dflash2 import DFlash2Config, DFlash2DraftModel
+from dflash2.evaluation import acceptance_stats, evaluate, read_tau_sim
+from dflash2.manifest import MANIFEST_KEY, build_manifest, target_identity
+from dflash2.target import TargetModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run as fast on one thread, and a second thread competing for a busy core stalls every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TargetModel.load("tiny")
+
+
+def export_draft(target, folder, selector=True, manifest=None, tau_sim=None):
+    """A random drafter for the `tiny` target, saved as an export folder (with a README metrics table)."""
+    parts = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4) if selector else {}
+    cfg = DFlash2Config(
+        **target.draft_config_fields(),
+        num_hidden_layers=1,
+        block_size=4,
+        mask_token_id=3,
+        target_layer_ids=[1, 2],
+        **parts,
+    )
+    if manifest is None:
+        manifest = build_manifest(target_identity("tiny", target.config, target.tokenizer), "test", 0)
+    cfg.extra[MANIFEST_KEY] = manifest
+    draft = DFlash2DraftModel(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    draft.save_pretrained(folder)
+    if tau_sim is not None:
+        (Path(folder) / "README.md").write_text(f"| metric | value |\n|---|---|\n| `val/tau_sim` | {tau_sim} |\n")
+    return folder
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return compose("evaluate", overrides=["model=tiny", "bench=humaneval", "wandb.enabled=false", *overrides])
+
+
+def read_run(run_dir):
+    results = json.loads((run_dir / "results.json").read_text())
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return results, samples
+
+
+def test_results_agree_with_samples(tiny, tmp_path):
+    draft = export_draft(tiny, tmp_path / "draft", tau_sim=2.5)
+    cfg = config(f"draft.path={draft}", "bench.limit=3", "max_new_tokens=8", "block_size=8", "batch_size=2")
+    evaluate(cfg, tmp_path / "run")
+    results, samples = read_run(tmp_path / "run")
+    assert len(samples) == results["num_prompts"] == results["num_requests"] == 3
+    lengths = [n for s in samples for n in s["accept_lengths"]]
+    assert results["num_steps"] == len(lengths) > 0
+    assert results["tau"] == pytest.approx(sum(lengths) / len(lengths))
+    assert results["tau"] == pytest.approx(1 + sum(results["per_position_accept"]))
+    assert len(results["per_position_accept"]) == 7 and len(results["accept_hist"]) == 8
+    assert sum(results["accept_hist"]) == results["num_steps"]
+    assert results["num_tokens"] == sum(len(s["output_ids"]) for s in samples)
+    for s in samples:
+        assert set(s) >= {"id", "prompt_ids", "output_ids", "accept_lengths"}
+        assert len(s["output_ids"]) == 1 + sum(s["accept_lengths"]) <= 8
+        # The prompt is the chat template's rendering of the bench turn, ready for the assistant's answer.
+        assert tiny.tokenizer.decode(s["prompt_ids"]).rstrip().endswith("assistant")
+    assert results["tau_sim"] == 2.5 and results["tau_gap"] is None  # measured at B = 4, evaluated at B = 8
+    assert results["block_size"] == 8 and results["temperature"] == 0 and results["bench"] == "humaneval"
+    assert results["draft"]["selector"] is True and results["draft"]["trained_block_size"] == 4
+    assert results["target"] == target_identity("tiny", tiny.config, tiny.tokenizer)
+    assert results["tokens_per_s"] > 0
+
+
+def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
+    prompts = [{"id": "mt/1", "turns": ["Name a fruit.", "And a vegetable?"]}, {"id": "mt/2", "turns": ["Hi."]}]
+    monkeypatch.setattr("dflash2.bench.load_prompts", lambda name, limit=None: prompts)
+    draft = export_draft(tiny, tmp_path / "draft", selector=False)
+    cfg = config(f"draft.path={draft}", "max_new_tokens=6", "draft.selector=false", "temperature=1", "baseline=true")
+    results = evaluate(cfg, tmp_path / "run")
+    _, samples = read_run(tmp_path / "run")
+    assert [(s["id"], s["turn"]) for s in samples] == [("mt/1", 0), ("mt/2", 0), ("mt/1", 1)]
+    second = tiny.tokenizer.decode(samples[2]["prompt_ids"])
+    answer = tiny.tokenizer.decode(samples[0]["output_ids"], skip_special_tokens=True)
+    assert "Name a fruit." in second and answer.strip() in second and second.index("And a vegetable?") > 0
+    assert results["num_prompts"] == 2 and results["num_requests"] == 3 and results["tau_sim"] is None
+    assert results["draft"]["selector"] is False and results["baseline"]["tokens_per_s"] > 0
+
+
+def test_a_draft_for_another_target_is_refused(tiny, tmp_path):
+    identity = target_identity("tiny", tiny.config, tiny.tokenizer) | {"target": "other", "tokenizer_hash": "0" * 64}
+    draft = export_draft(tiny, tmp_path / "draft", manifest=build_manifest(identity, "test", 0))
+    with pytest.raises(ValueError, match="trained for .*'other'"):
+        evaluate(config(f"draft.path={draft}", "bench.limit=1"), tmp_path / "run")
+
+
+def test_acceptance_stats_by_hand():
+    stats = acceptance_stats([[1, 3], [4, 1, 2]], block_size=4)
+    assert stats["accept_hist"] == [2, 1, 1, 1] and stats["num_steps"] == 5
+    assert stats["per_position_accept"] == pytest.approx([3 / 5, 2 / 5, 1 / 5])
+    assert stats["tau"] == pytest.approx(11 / 5)
+
+
+def test_tau_sim_comes_from_the_manifest_or_the_readme(tmp_path):
+    assert read_tau_sim(tmp_path) is None
+    (tmp_path / "README.md").write_text("| `val/acc_1` | 0.5 |\n| `val/tau_sim` | 3.2500 |\n")
+    assert read_tau_sim(tmp_path) == 3.25
+    assert read_tau_sim(tmp_path, {"metrics/tau_sim": 4.0}) == 4.0
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny, tmp_path_factory):
+    """`python evaluate.py -m ...` exactly as a user types it: 2 benches x 2 temperatures, W&B offline."""
+    root = tmp_path_factory.mktemp("sweep")
+    draft = export_draft(tiny, root / "draft", tau_sim=1.5)
+    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "evaluate.py"),
+            "-m",
+            f"draft={draft}",
+            "model=tiny",
+            "bench=humaneval,sharegpt",
+            "bench.limit=2",
+            "temperature=0,1",
+            "max_new_tokens=6",
+            f"hydra.sweep.dir={root / 'multirun'}",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return root / "multirun", run.stdout
+
+
+def test_sweep_writes_runs_summary_and_plots(sweep):
+    sweep_dir, stdout = sweep
+    import pandas as pd
+
+    table = pd.read_csv(sweep_dir / "summary.csv")
+    assert len(table) == 4 and set(table["bench"]) == {"humaneval", "sharegpt"}
+    assert set(table["temperature"]) == {0.0, 1.0} and (table["tau_sim"] == 1.5).all()
+    for png in ("tau_by_bench.png", "per_position_accept.png"):
+        assert (sweep_dir / png).read_bytes()[:4] == b"\x89PNG"
+    runs = sorted(p.parent for p in sweep_dir.rglob("results.json"))
+    for run_dir in runs:
+        results, samples = read_run(run_dir)
+        assert results["num_steps"] == sum(len(s["accept_lengths"]) for s in samples)
+        assert list(run_dir.glob("wandb/offline-run-*")), f"no offline W&B run under {run_dir}"
+    assert "tau" in stdout and "summary.csv" in stdout
+
+
+def test_notebook_runs_on_the_sweep(sweep, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("DFLASH2_SWEEP_DIR", str(sweep[0]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    notebook = nbformat.read(ROOT / "notebooks" / "acceptance.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)

@@ -1,0 +1,296 @@
+"""Speculative decoding is lossless: greedy output is the target's own, sampled output follows its distribution."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels then run on the CPU
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash2 import DFlash2Config, DFlash2DraftModel, kernels
+from dflash2 import speculative as spec
+from dflash2.kernels import _backend
+from dflash2.target import TargetModel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run as fast on one thread, and a second thread competing for a busy core stalls every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+DRAFT_KINDS = {
+    "dflash": dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0),
+    "dflash2": dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TargetModel.load("tiny", target_layer_ids=[1, 2])
+
+
+def make_draft(target, kind, block_size, seed, scale=0.2, **over):
+    fields = (
+        target.draft_config_fields()
+        | dict(num_hidden_layers=1, block_size=block_size, target_layer_ids=[1, 2], mask_token_id=3)
+        | DRAFT_KINDS[kind]
+        | over
+    )
+    draft = DFlash2DraftModel(DFlash2Config(**fields))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return draft.eval()
+
+
+def random_prompts(seed, n, vocab):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 14, (n,), generator=g).tolist()
+    return [torch.randint(4, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+class Oracle:
+    """Proposals forced to the reference continuation (some slots corrupted), to exercise long accepts and the bonus
+    after a fully accepted block. A request is recognised by its anchor token at the anchor's position. It also
+    records what the drafter computed for each request, to be checked against a fresh, uncached forward."""
+
+    def __init__(self, prompts, reference, vocab, wrong, seed):
+        self.sequences = [p + r.output_ids for p, r in zip(prompts, reference, strict=True)]
+        self.vocab, self.wrong = vocab, wrong
+        self.g = torch.Generator().manual_seed(seed)
+        self.anchor_positions = None
+        self.seen = []  # (sequence, anchor position, draft hidden of the proposing slots)
+
+    def watch(self, draft):
+        forward = draft.forward
+
+        def recording(block_embeds, block_positions, *args, **kwargs):
+            self.anchor_positions = block_positions[:, 0].tolist()
+            return forward(block_embeds, block_positions, *args, **kwargs)
+
+        draft.forward = recording
+
+    def wrap(self, propose):
+        def forced(draft, head, hidden, anchors, **kwargs):
+            tokens, q = propose(draft, head, hidden, anchors, **kwargs)
+            tokens = tokens.clone()
+            for row, (pos, anchor) in enumerate(zip(self.anchor_positions, anchors.tolist(), strict=True)):
+                match = [s for s in self.sequences if len(s) > pos and s[pos] == anchor]
+                if not match:
+                    continue
+                self.seen.append((match[0], pos, hidden[row]))
+                truth = match[0][pos + 1 : pos + tokens.shape[1] + 1]
+                for slot, token in enumerate(truth):
+                    wrong = torch.rand((), generator=self.g) < self.wrong
+                    tokens[row, slot] = torch.randint(4, self.vocab, (), generator=self.g) if wrong else token
+            return tokens, q
+
+        return forced
+
+
+def test_target_generate_is_the_models_own_greedy_generation(tiny):
+    prompts = random_prompts(torch.seed() % 10_000, 3, tiny.vocab_size)
+    ours = spec.target_generate(tiny, prompts, max_new_tokens=10, batch_size=2)
+    for prompt, out in zip(prompts, ours, strict=True):
+        hf = tiny.model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert out.output_ids == hf[0, len(prompt) :].tolist()
+        assert out.accept_lengths == [1] * 9
+
+
+@pytest.fixture(scope="module")
+def greedy_case(tiny):
+    """Fresh prompts, the target's own greedy outputs, and a stop token from the middle of the first output."""
+    prompts = random_prompts(torch.seed() % 10_000, 4, tiny.vocab_size)
+    free = spec.target_generate(tiny, prompts, max_new_tokens=MAX_NEW, batch_size=4)
+    stop = free[0].output_ids[MAX_NEW // 2]
+    # Greedy decoding with a stop token is the free run cut after the stop's first occurrence.
+    with_stop = [g.output_ids[: g.output_ids.index(stop) + 1] if stop in g.output_ids else g.output_ids for g in free]
+    return prompts, free, stop, with_stop
+
+
+MAX_NEW = 16
+
+
+@pytest.mark.parametrize(
+    "kind, block_size, oracle",
+    [
+        ("dflash", 4, False),
+        ("dflash", 8, False),
+        ("dflash2", 4, False),
+        ("dflash2", 8, False),
+        ("dflash", 4, True),
+        ("dflash2", 8, True),
+    ],
+)
+def test_greedy_speculative_output_is_the_targets_greedy_output(
+    tiny, greedy_case, kind, block_size, oracle, monkeypatch
+):
+    prompts, free, stop, reference = greedy_case
+    seed = torch.seed() % 10_000
+    draft = make_draft(tiny, kind, block_size, seed)
+    if oracle:
+        forced = Oracle(prompts, free, tiny.vocab_size, wrong=0.15, seed=seed)
+        forced.watch(draft)
+        monkeypatch.setattr(spec, "propose", forced.wrap(spec.propose))
+    out = spec.speculative_generate(tiny, draft, prompts, block_size, MAX_NEW, stop_ids=[stop], batch_size=3)
+    assert [g.output_ids for g in out] == reference
+    for got in out:
+        assert len(got.output_ids) == 1 + sum(got.accept_lengths)
+        assert all(1 <= n <= block_size for n in got.accept_lengths)
+    lengths = [n for g in out for n in g.accept_lengths]
+    if oracle:  # the test itself must reach the long-accept and bonus paths
+        assert max(lengths) == block_size and sum(lengths) / len(lengths) > 2
+        assert_drafts_match_fresh_forwards(tiny, draft, forced.seen, block_size)
+
+
+def assert_drafts_match_fresh_forwards(target, draft, seen, block_size):
+    """The drafter's cached, masked context (rejected slots, padding, finished rows dropped) must give what one
+    uncached forward over exactly the committed tokens gives."""
+    assert len(seen) > 5
+    for sequence, pos, hidden in seen:
+        context = torch.tensor([sequence[:pos]])
+        features = target.forward(context).hidden
+        block = torch.tensor([[sequence[pos]] + [draft.config.mask_token_id] * (block_size - 1)])
+        with torch.no_grad():
+            positions = pos + torch.arange(block_size)[None]
+            fresh = draft(target.embed_tokens(block), positions, draft.fuse(features), torch.arange(pos)[None])
+        torch.testing.assert_close(hidden, fresh[0, 1:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(_backend.triton is None, reason="triton is not installed")
+def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
+    seed = torch.seed() % 10_000
+    prompts = random_prompts(seed, 2, tiny.vocab_size)
+    # Sizeable codebooks, so the walk leaves the argmax path.
+    draft = make_draft(tiny, "dflash2", 4, seed, scale=0.5)
+    seen = {}
+
+    def recording(*args, **kwargs):
+        tokens, q = real(*args, **kwargs)
+        seen.setdefault(kernels.get_backend(), []).append(tokens)
+        return tokens, q
+
+    real = spec.propose
+    monkeypatch.setattr(spec, "propose", recording)
+    outs = {}
+    for name in ("triton", "torch"):
+        with kernels.backend(name):
+            outs[name] = spec.speculative_generate(tiny, draft, prompts, 4, 6, batch_size=2)
+    assert [g.output_ids for g in outs["triton"]] == [g.output_ids for g in outs["torch"]]
+    assert len(seen["triton"]) == len(seen["torch"]) > 0
+    for a, b in zip(seen["triton"], seen["torch"], strict=True):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def test_verify_resamples_to_the_target_distribution():
+    """One slot, many rows: accepted draft tokens plus residual resamples must be distributed as p exactly."""
+    g = torch.Generator().manual_seed(torch.seed() % 10_000)
+    vocab, rows = 8, 100_000
+    logits = (torch.randn(1, 2, vocab, generator=g) * 1.5).expand(rows, 2, vocab)
+    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1).expand(rows, 1, vocab)
+    drafted = torch.multinomial(q[:, 0], 1, replacement=True, generator=g)
+    p = torch.softmax(logits[0, 0], -1)
+
+    def first_tokens(q_used):
+        accepted, bonus = spec.verify(logits, drafted, q_used, 1.0, 0, 1.0, g)
+        return torch.where(accepted == 1, drafted[:, 0], bonus)
+
+    expected = (p.double() / p.double().sum() * rows).numpy()
+    good = chisquare(torch.bincount(first_tokens(q), minlength=vocab).numpy(), expected).pvalue
+    greedy_q = torch.nn.functional.one_hot(q.argmax(-1), vocab).float()  # the q a greedy walk would report
+    bad = chisquare(torch.bincount(first_tokens(greedy_q), minlength=vocab).numpy(), expected).pvalue
+    assert good > 1e-4  # fresh seeds: a correct verify fails 1 run in 10^4
+    assert bad < 1e-6
+
+
+def small_target(vocab=8, seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).float()
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, 0.3)  # peaked enough that contexts differ, flat enough to accept
+    return TargetModel(model, None, target_layer_ids=[0, 1])
+
+
+def exact_joint(target, prompt, temperature, top_k):
+    """P(x0, x1, x2) of the target's own sampling, enumerated: [V, V, V]."""
+    v = target.vocab_size
+    pairs = torch.cartesian_prod(torch.arange(v), torch.arange(v))
+    seqs = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], -1)
+    logits = target.forward(seqs).logits[:, len(prompt) - 1 :].float() / temperature
+    if top_k:
+        kth = logits.topk(top_k, -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    p = torch.softmax(logits, -1)  # [V*V, 3, V]: p0, p1 | x0, p2 | x0, x1
+    p0, p1, p2 = p[0, 0], p[::v, 1], p[:, 2].view(v, v, v)
+    return p0[:, None, None] * p1[:, :, None] * p2
+
+
+@pytest.mark.parametrize("kind, temperature, top_k", [("dflash2", 1.0, 0), ("dflash2", 0.7, 5), ("dflash", 1.0, 0)])
+def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k, monkeypatch):
+    target = small_target()
+    draft = make_draft(
+        target,
+        kind,
+        4,
+        seed=11,
+        scale=0.3,
+        target_layer_ids=[0, 1],
+        mask_token_id=7,
+        conv_group_size=8 if kind == "dflash2" else 0,
+        selector_rank=4 if kind == "dflash2" else 0,
+    )
+    prompt, n = [1, 5, 2, 6, 3], 4000
+    expected = exact_joint(target, prompt, temperature, top_k).flatten().double()
+
+    def pvalue():
+        out = spec.speculative_generate(
+            target,
+            draft,
+            [prompt] * n,
+            4,
+            3,
+            temperature=temperature,
+            top_k=top_k,
+            batch_size=n,
+            generator=torch.Generator().manual_seed(5),
+        )
+        codes = torch.tensor([g.output_ids for g in out]) @ torch.tensor([64, 8, 1])
+        observed = torch.bincount(codes, minlength=512).double()
+        counts = expected / expected.sum() * n
+        big = counts >= 5  # pool the rare cells so the chi-square approximation holds
+        obs = torch.cat([observed[big], observed[~big].sum()[None]])
+        exp = torch.cat([counts[big], counts[~big].sum()[None]])
+        return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+    assert pvalue() > 1e-3
+    if kind == "dflash2":  # the same run with the q a greedy walk reports (one-hot) must be caught
+        real = spec.selector_q
+        monkeypatch.setattr(
+            spec,
+            "selector_q",
+            lambda c, q, v: real(c, torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).float(), v),
+        )
+        assert pvalue() < 1e-6
