@@ -270,11 +270,9 @@ def decode_batch(
     ids, key_mask = pad_right(prompts, target.lm_head_weight.device)
     device, temperature = ids.device, sampling["temperature"]
     positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-    out = target.forward(ids, attention_mask=key_mask, position_ids=positions, use_cache=True)
     lengths = key_mask.sum(-1)
-    anchor = first_token(
-        out.logits[torch.arange(len(prompts), device=device), lengths - 1], generator=generator, **sampling
-    )
+    out = target.forward(ids, attention_mask=key_mask, position_ids=positions, use_cache=True, logits_at=lengths - 1)
+    anchor = first_token(out.logits, generator=generator, **sampling)
     done = [requests.commit(i, [t]) for i, t in enumerate(anchor.tolist())]
     rows = Rows(key_mask, positions, lengths, anchor, only_kept(out.hidden, key_mask.bool()))
     cache, draft_cache = out.past_key_values, DraftCache(draft.config.num_hidden_layers)
@@ -358,11 +356,11 @@ def target_generate(
     for start in range(0, len(prompts_ids), batch_size):
         ids, key_mask = pad_right(prompts_ids[start : start + batch_size], device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-        out = target.forward(ids, attention_mask=key_mask, position_ids=positions, use_cache=True)
         lengths = key_mask.sum(-1)
-        token = first_token(
-            out.logits[torch.arange(ids.shape[0], device=device), lengths - 1], generator=generator, **sampling
+        out = target.forward(
+            ids, attention_mask=key_mask, position_ids=positions, use_cache=True, logits_at=lengths - 1
         )
+        token = first_token(out.logits, generator=generator, **sampling)
         requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids))
         done = [requests.commit(i, [t]) for i, t in enumerate(token.tolist())]
         while not all(done):  # finished rows keep decoding (and are ignored): the reference favours simplicity

@@ -155,12 +155,18 @@ class TargetModel(nn.Module):
         past_key_values: Any = None,
         use_cache: bool = False,
         logits: bool = True,
+        logits_at: torch.Tensor | None = None,
     ) -> TargetOutput:
+        """`logits_at` [b]: only each row's logits at that position ([b, V]); a prefill needs no more, and the
+        full [b, L, V] tensor of a long prompt at a 150k vocabulary is gigabytes."""
         inputs = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
         )
         if past_key_values is not None:
             inputs[self._cache_arg] = past_key_values
+        if logits_at is not None:
+            keep = torch.unique(logits_at)  # sorted; the model's own head (softcapping etc.) runs on these only
+            inputs["logits_to_keep"] = keep
         # Training wants features only: skip the head, and the layers after the deepest captured one.
         early = not logits and not use_cache and self.target_layer_ids
         self._stop_after = max(self.target_layer_ids) if early else None
@@ -175,8 +181,12 @@ class TargetModel(nn.Module):
             self._capturing = False
         hidden = torch.cat([self._captured[i] for i in self.target_layer_ids], -1) if self.target_layer_ids else None
         self._captured.clear()
+        out_logits = out.logits if logits and out is not None else None
+        if out_logits is not None and logits_at is not None:
+            rows = torch.arange(out_logits.shape[0], device=out_logits.device)
+            out_logits = out_logits[rows, torch.searchsorted(keep, logits_at)]
         return TargetOutput(
-            logits=out.logits if logits else None,
+            logits=out_logits,
             hidden=hidden,
             past_key_values=out.get(self._cache_arg) if out is not None else None,
         )

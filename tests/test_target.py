@@ -45,6 +45,16 @@ def test_hook_capture_is_hidden_states_plus_one(tiny):
         assert not torch.allclose(got, ref.hidden_states[i])
 
 
+def test_logits_at_picks_each_rows_position(tiny):
+    ids, mask = random_batch(tiny.vocab_size, b=4)
+    full = tiny(ids, attention_mask=mask).logits
+    at = torch.randint(0, ids.shape[1], (4,))
+    at[1] = at[2]  # a position shared by two rows
+    picked = tiny(ids, attention_mask=mask, logits_at=at).logits
+    assert picked.shape == (4, tiny.vocab_size)
+    torch.testing.assert_close(picked, full[torch.arange(4), at])
+
+
 def test_logits_false_gives_same_hidden_and_skips_later_layers():
     target = TargetModel.load("tiny", target_layer_ids=[2, 0])
     ran = []
