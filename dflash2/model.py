@@ -7,6 +7,7 @@ no embedding and no head.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ try:  # flex attention carries the block-sparse training mask on GPUs; a dense m
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - torch < 2.5
     BlockMask, flex_attention = None, None
+
+
+@functools.cache
+def compiled_flex_attention() -> Any:
+    """Flex attention as it is meant to run: eager, it materialises the whole score matrix (gigabytes at training
+    lengths); compiled, it is one block-sparse kernel. Dynamic shapes, because batches vary in length."""
+    return torch.compile(flex_attention, dynamic=True)
+
 
 Mask = Any  # bool tensor [b|1, 1, q, keys] (True = attend), a flex BlockMask, a {layer_type: mask} dict, or None
 
@@ -129,7 +138,8 @@ class Attention(nn.Module):
             kc, vc = cache.update(self.layer, kc, vc)
         k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
         if BlockMask is not None and isinstance(mask, BlockMask):
-            out = flex_attention(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
+            attend = compiled_flex_attention() if qh.is_cuda else flex_attention
+            out = attend(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
         else:
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))

@@ -1,0 +1,140 @@
+"""The GPU benchmark scripts, smoke-tested at --small on the CPU: they run, and their JSON is complete and consistent.
+
+Also the two places where a script departs from or models the production path: the overhead script's static draft
+cache (it must compute what the model's own DraftCache computes) and the training FLOP formula (its matmul terms
+must equal what torch's FLOP counter sees in a real step).
+"""
+
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash2.data.anchors import dense_block_mask
+from dflash2.model import DraftCache
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    """A script under benchmarks/ as a module (the folder is not a package)."""
+    key = f"benchmarks_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny shapes gain nothing from a second intra-op thread, and on a busy 2-core machine every op then waits.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+# ---------------------------------------------------------------------------------------------- overhead.py
+def test_overhead_small_writes_consistent_shares(tmp_path):
+    overhead = load("overhead")
+    out = tmp_path / "overhead.json"
+    result = overhead.main(["--small", "--batch", "1", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["timer"] == "cpu_wall" and [r["batch"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        pieces = [*overhead.PARTS, *overhead.STEPS]
+        assert all(finite_positive(row[f"{p}_ms"]) for p in pieces), row
+        assert row["graph"] == {p: False for p in pieces}  # a CPU never pretends to have replayed a graph
+        assert row["parts_ms"] == pytest.approx(sum(row[f"{p}_ms"] for p in overhead.PARTS))
+        total = row["dflash2_draft_ms"] + row["verify_ms"]
+        assert row["draft_verify_ms"] == pytest.approx(total)
+        assert row["overhead_share"] == pytest.approx(row["parts_ms"] / total)
+        assert row["differential_share"] == pytest.approx((row["dflash2_draft_ms"] - row["dflash_draft_ms"]) / total)
+
+
+def test_static_draft_cache_computes_what_the_draft_cache_computes():
+    overhead = load("overhead")
+    s, dtype, device = overhead.SMALL, torch.float32, torch.device("cpu")
+    torch.manual_seed(0)
+    target = overhead.VerifyDecoder(s, [1, 3], device, dtype)
+    draft = overhead.build_drafter(s, True, device, dtype)
+    x = overhead.draft_inputs(s, target, batch=3, context=24)
+    # decode_batch's way: a DraftCache holding the earlier context, which update() extends by this step's B tokens,
+    # and the dense mask (here all True: no rejected slots).
+    cache = DraftCache(s.draft_layers)
+    cache.keys = [k[:, :, : -s.block_size].clone() for k in x.cache.keys]
+    cache.values = [v[:, :, : -s.block_size].clone() for v in x.cache.values]
+    mask = torch.ones(3, 1, s.block_size, 24 + s.block_size, dtype=torch.bool)
+    with torch.no_grad():
+        static = overhead.draft_hidden(draft, target, x)
+        embeds = target.embed_tokens(x.block_ids)
+        reference = draft(embeds, x.block_positions, draft.fuse(x.features), x.feature_positions, mask, cache)[:, 1:]
+        torch.testing.assert_close(static, reference)
+        assert torch.equal(x.cache.keys[0], cache.keys[0])  # the static buffer now holds this step's context too
+        tokens = overhead.draft_step(draft, target, x)
+        logits, features = target(x.block_ids, x.block_positions, *target.new_cache(3, 24))
+    assert tokens.shape == (3, s.block_size - 1) and logits.shape == (3, s.block_size, s.vocab)
+    assert features.shape == x.features.shape
+
+
+# ---------------------------------------------------------------------------------------------- train_throughput.py
+def test_train_throughput_small_reports_consistent_rates(tmp_path):
+    bench = load("train_throughput")
+    out = tmp_path / "train.json"
+    result = bench.main(["--small", "--out", str(out), "--peak-tflops", "100"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["preset"] for r in result["runs"]] == ["smollm2", "qwen3-8b"]
+    for run in result["runs"]:
+        assert "error" not in run, run
+        assert len(run["step_s"]) == run["warmup_steps"] + 2 and all(finite_positive(t) for t in run["step_s"])
+        assert all(math.isfinite(loss) for loss in run["losses"])
+        step, sizes, flops = run["step_s_median"], run["batch"], run["flops"]
+        assert step == statistics.median(run["step_s"][run["warmup_steps"] :])
+        assert sizes["trained_tokens"] > 0 and sizes["block_slots"] == sizes["blocks"] * run["draft"]["block_size"]
+        assert run["trained_tokens_per_s"] == pytest.approx(sizes["trained_tokens"] / step)
+        assert run["context_tokens_per_s"] == pytest.approx(sizes["context_tokens"] / step)
+        assert all(finite_positive(v) for v in flops.values())
+        assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
+        assert run["achieved_tflops"] == pytest.approx(flops["total"] / step / 1e12)
+        assert run["mfu"] == pytest.approx(flops["total"] / step / 100e12)
+
+
+@pytest.mark.parametrize("preset", ["smollm2", "qwen3-8b"])
+def test_flop_formula_matches_the_flop_counter(preset):
+    """The matmul terms exactly, on a real forward + backward; the attention terms against the training mask."""
+    bench = load("train_throughput")
+    bench.register_resolvers()
+    cfg = bench.compose_preset(preset, small=True)
+    torch.manual_seed(0)
+    target = bench.build_target(preset, cfg, small=True, device=torch.device("cpu"))
+    module = bench.build_module(target, cfg)
+    draft = module.draft.config
+    batch = bench.synthetic_batch(cfg, draft, target.vocab_size, 0)
+    with FlopCounterMode(display=False) as counter:
+        out = module.draft_step(batch)
+        (out.ce + out.selector).backward()
+    counts = counter.get_flop_counts()["Global"]
+    matmuls = sum(v for op, v in counts.items() if str(op).split(".")[1] in ("mm", "addmm", "bmm"))
+    flops = bench.step_flops(batch, draft, max(draft.target_layer_ids) + 1)
+    trained = int((batch["labels"] != -100).sum())
+    # logits_chunk_rows recomputes the head's forward in the backward: hardware work the formula leaves out.
+    recomputed = 2 * trained * draft.hidden_size * draft.vocab_size if module.hparams.logits_chunk_rows else 0
+    assert matmuls == flops["target_matmul"] + flops["draft_matmul"] + recomputed
+
+    b, length = batch["input_ids"].shape
+    mask = dense_block_mask(batch["anchors"], batch["anchor_valid"], length, draft.block_size, batch["attention_mask"])
+    hq = draft.num_attention_heads * draft.head_dim
+    assert flops["draft_attention"] == 3 * draft.num_hidden_layers * 4 * hq * int(mask.sum())
+    assert flops["target_attention"] == (max(draft.target_layer_ids) + 1) * 4 * hq * b * length * (length + 1) / 2
