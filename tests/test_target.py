@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -223,6 +224,26 @@ def test_regenerate_writes_and_resumes(tiny, tmp_path):
         assert run() == 1 and len(out.read_text().splitlines()) == 2
     finally:
         tiny.model.generate = original
+
+
+def test_static_cache_generates_the_same_replies(tiny):
+    from dflash2.data.regenerate import generate
+
+    lengths = random.sample(range(3, 12), 3)  # left padding, ragged
+    prompts = [torch.randint(4, tiny.vocab_size, (n,)).tolist() for n in lengths]
+    dynamic = generate(tiny, prompts, max_new_tokens=6, temperature=0.0)
+    caches, original = [], tiny.model.generate
+
+    def spy(**kwargs):
+        caches.append(kwargs["generation_config"].cache_implementation)
+        return original(**kwargs)
+
+    tiny.model.generate = spy
+    try:
+        static = generate(tiny, prompts, max_new_tokens=6, temperature=0.0, cache_implementation="static")
+    finally:
+        tiny.model.generate = original
+    assert caches == ["static"] and static == dynamic
 
 
 def test_regenerate_config_on_tiny(tmp_path):

@@ -55,6 +55,7 @@ def regenerate(
     chunk_size: int = 64,
     chat_template_kwargs: dict[str, Any] | None = None,
     regenerated_by: str = "target",
+    cache_implementation: str | None = None,
 ) -> int:
     """Regenerate and append every conversation not in `output` yet; returns how many were written."""
     output = Path(output)
@@ -77,6 +78,7 @@ def regenerate(
                 temperature=temperature,
                 max_length=max_length,
                 chat_template_kwargs=chat_template_kwargs or {},
+                cache_implementation=cache_implementation,
             )
             # One write + fsync per chunk: a kill leaves at most one torn line, which the next run cuts off.
             kept = [r | {"regenerated_by": regenerated_by} for r in results if r["messages"]]
@@ -99,6 +101,7 @@ def regenerate_chunk(
     temperature: float,
     max_length: int,
     chat_template_kwargs: dict[str, Any],
+    cache_implementation: str | None = None,
 ) -> list[dict[str, Any]]:
     """Turn by turn across the chunk: every conversation's k-th reply is generated in the same batches."""
     tokenizer = target.tokenizer
@@ -126,7 +129,7 @@ def regenerate_chunk(
         prompts.sort(key=lambda p: len(p[1]))  # similar lengths share a batch: less left padding
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
-            replies = generate(target, [ids for _, ids in batch], max_new_tokens, temperature)
+            replies = generate(target, [ids for _, ids in batch], max_new_tokens, temperature, cache_implementation)
             for (i, _), reply in zip(batch, replies, strict=True):
                 new[i].append({"role": "assistant", "content": reply})
                 cursor[i] += 1
@@ -140,7 +143,15 @@ def regenerate_chunk(
 
 
 @torch.no_grad()
-def generate(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[str]:
+def generate(
+    target: TargetModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    cache_implementation: str | None = None,
+) -> list[str]:
+    """`cache_implementation="static"`: transformers preallocates the KV cache and, on CUDA, compiles the decode
+    step into a CUDA graph, which is what makes a small target's batched generation fast."""
     tokenizer, model = target.tokenizer, target.model
     batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
     eos = model.generation_config.eos_token_id
@@ -155,6 +166,7 @@ def generate(target: TargetModel, prompts: list[list[int]], max_new_tokens: int,
         top_p=1.0 if sample else None,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
+        cache_implementation=cache_implementation,
     )
     out = model.generate(**batch, generation_config=config)
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -180,6 +192,7 @@ def run(cfg: DictConfig) -> int:
         chunk_size=cfg.chunk_size,
         chat_template_kwargs=OmegaConf.to_container(cfg.chat_template_kwargs),
         regenerated_by=cfg.model.name,
+        cache_implementation=cfg.get("cache_implementation"),
     )
     print(f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name})")
     return n
