@@ -1,10 +1,12 @@
 """Data pipeline: chat rendering and loss masks, anchors, labels, the block-sparse mask, the datamodule."""
 
+import gzip
 import importlib.util
 import json
 import logging
 import random
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,7 +127,9 @@ def test_formats_and_dropped_conversations(tmp_path):
     ]
     as_list = tmp_path / "chats.json"
     as_list.write_text(json.dumps(records))
-    for path in (as_list, write_jsonl(tmp_path / "chats.jsonl", records)):
+    gz = tmp_path / "chats.jsonl.gz"
+    gz.write_bytes(gzip.compress(Path(write_jsonl(tmp_path / "plain.jsonl", records)).read_bytes()))
+    for path in (as_list, write_jsonl(tmp_path / "chats.jsonl", records), gz):
         data = load_conversations(str(path))
         assert data["id"] == ["openai", "sharegpt"]
         assert data[0]["messages"] == chat
