@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 from dflash2.config import DFlash2Config
 from dflash2.target import TargetModel
 from dflash2.training import DFlash2Module
+from dflash2.training.run import build_module as build_train_module
 from dflash2.training.run import draft_config_for, register_resolvers
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -89,25 +90,8 @@ def build_target(preset: str, cfg: DictConfig, small: bool, device: torch.device
 
 
 def build_module(target: TargetModel, cfg: DictConfig) -> DFlash2Module:
-    """DFlash2Module with the arguments dflash2.training.run.train gives it (no warm start, no manifest)."""
-    draft_config = draft_config_for(target, cfg.model, cfg.draft)
-    d, o = cfg.draft, cfg.optim
-    return DFlash2Module(
-        target,
-        draft_config.to_dict(),
-        train_backbone=d.train_backbone,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        warmup_ratio=o.warmup_ratio,
-        fused=o.get("fused", True),
-        loss_gamma=d.get("loss_gamma"),
-        selector_alpha=d.selector_alpha,
-        selector_warmup_steps=d.selector_warmup_steps,
-        selector_ramp_steps=d.selector_ramp_steps,
-        selector_detach=d.selector_detach,
-        logits_chunk_rows=d.get("logits_chunk_rows") or 0,
-    )
+    """DFlash2Module exactly as train.py builds it (no warm start, no manifest)."""
+    return build_train_module(target, cfg, draft_config_for(target, cfg.model, cfg.draft))
 
 
 def synthetic_batch(cfg: DictConfig, draft: DFlash2Config, vocab: int, pad_token_id: int) -> dict[str, torch.Tensor]:

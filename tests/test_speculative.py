@@ -13,16 +13,6 @@ from dflash2 import speculative as spec
 from dflash2.kernels import _backend
 from dflash2.target import TargetModel
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and a second thread competing for a busy core stalls every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 DRAFT_KINDS = {
     "dflash": dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0),
     "dflash2": dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),

@@ -114,6 +114,31 @@ def build_data(cfg: DictConfig, target: Any, draft_config: DFlash2Config) -> Any
     return instantiate(cfg.data, tokenizer=target.tokenizer, block_size=draft_config.block_size, _recursive_=False)
 
 
+def build_module(
+    target: Any, cfg: DictConfig, draft_config: DFlash2Config, manifest: dict[str, Any] | None = None
+) -> DFlash2Module:
+    """The LightningModule of the `draft` and `optim` groups (a warm start comes from `draft.init_from`)."""
+    d, o = cfg.draft, cfg.optim
+    return DFlash2Module(
+        target,
+        draft_config.to_dict(),
+        init_from=d.get("init_from"),
+        train_backbone=d.train_backbone,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
+        warmup_ratio=o.warmup_ratio,
+        fused=o.get("fused", True),
+        loss_gamma=d.get("loss_gamma"),
+        selector_alpha=d.selector_alpha,
+        selector_warmup_steps=d.selector_warmup_steps,
+        selector_ramp_steps=d.selector_ramp_steps,
+        selector_detach=d.selector_detach,
+        logits_chunk_rows=d.get("logits_chunk_rows") or 0,
+        manifest=manifest,
+    )
+
+
 def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Fit a drafter; returns {"run_dir", "ckpt_path", "start": val metrics at step 0, "end": latest val, ...}.
 
@@ -140,30 +165,12 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     target = TargetModel.from_config(cfg.model)
     draft_config = draft_config_for(target, cfg.model, cfg.draft)
     datamodule = build_data(cfg, target, draft_config)
-    d, o = cfg.draft, cfg.optim
     manifest = {
         "identity": target_identity(cfg.model.name, target.config, target.tokenizer),
         "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
         "run": cfg.task_name,
     }
-    module = DFlash2Module(
-        target,
-        draft_config.to_dict(),
-        init_from=d.get("init_from"),
-        train_backbone=d.train_backbone,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        warmup_ratio=o.warmup_ratio,
-        fused=o.get("fused", True),
-        loss_gamma=d.get("loss_gamma"),
-        selector_alpha=d.selector_alpha,
-        selector_warmup_steps=d.selector_warmup_steps,
-        selector_ramp_steps=d.selector_ramp_steps,
-        selector_detach=d.selector_detach,
-        logits_chunk_rows=d.get("logits_chunk_rows") or 0,
-        manifest=manifest,
-    )
+    module = build_module(target, cfg, draft_config, manifest)
 
     logger = build_logger(cfg, run_dir)
     configured = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]
