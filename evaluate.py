@@ -25,8 +25,8 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run(cfg, HydraConfig.get().runtime.output_dir)
-    except (TargetNotFoundError, FileNotFoundError) as e:
-        sys.exit(str(e))  # the message says what to fix: no traceback
+    except (TargetNotFoundError, FileNotFoundError, ValueError) as e:
+        sys.exit(str(e))  # bad input: the message names the setting and the fix, a traceback would bury it
 
 
 if __name__ == "__main__":

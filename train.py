@@ -17,8 +17,8 @@ register_resolvers()
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (TargetNotFoundError, FileNotFoundError) as e:
-        # A missing model or file is the user's to fix, and the message says how: no traceback.
+    except (TargetNotFoundError, FileNotFoundError, ValueError) as e:
+        # Bad input (a missing model or file, an invalid setting) is the user's to fix, and the message says how.
         sys.exit(str(e))
 
 

@@ -322,3 +322,15 @@ def test_unavailable_target_fails_fast_in_one_sentence(tmp_path):
     assert done.returncode != 0
     assert "Traceback" not in done.stderr + done.stdout
     assert "model.path=/local/dir" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "path, error", [("???", "set data.path=..."), ("missing.jsonl", "data.path='.*missing.jsonl'")]
+)
+def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatch, path, error):
+    from dflash2.target import TargetModel
+
+    monkeypatch.setattr(TargetModel, "from_config", lambda *a, **k: pytest.fail("the target loaded first"))
+    cfg = config(chats, tmp_path, f"data.path={path if path == '???' else tmp_path / path}")
+    with pytest.raises((ValueError, FileNotFoundError), match=error):
+        train(cfg)

@@ -72,6 +72,16 @@ def draft_config_for(target: Any, model_cfg: DictConfig, draft_cfg: DictConfig) 
     return DFlash2Config(**fields)
 
 
+def check_inputs(cfg: DictConfig) -> None:
+    """Fail in one sentence, before the target loads, on a setting left unset or a data file that is not there."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError("set " + ", ".join(f"{key}=..." for key in missing) + ": it has no default")
+    path = cfg.data.get("path")
+    if path and not Path(path).expanduser().is_file():
+        raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
+
+
 def adopt_warm_start(cfg: DictConfig) -> None:
     """A warm start fixes the drafter's depth and the target layers it reads: the target must capture those."""
     if not cfg.draft.get("init_from"):
@@ -151,6 +161,7 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     from dflash2.target import TargetModel
 
     started = time.time()
+    check_inputs(cfg)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
