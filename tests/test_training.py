@@ -158,10 +158,19 @@ def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
 # ---------------------------------------------------------------------- the module on the tiny target
 def test_loss_decreases(parts):
     torch.manual_seed(random.randint(0, 2**31))
-    # The tiny target's random head has rows of norm ~0.16, so its logits stay small and the loss can only fall
-    # ~0.2 below ln(V) before it plateaus; over seeds 0-5 the drop was 0.17-0.23 by step 3 and >= 0.14 at step 12.
-    losses = fit_batch(module_for(parts), parts[3], steps=12, lr=3e-3)
-    assert min(losses[1:]) < losses[0] - 0.12 and losses[-1] < losses[0] - 0.08, losses
+    # The tiny target's random head has rows of norm ~0.16: its logits cannot leave ~ln(V) whatever the drafter
+    # does. Scaled by 10 (for this test only) they can, and a learning drafter takes the loss from ~12 to ~10 in
+    # 12 steps (1.8-2.3 lower over 10 seeds and two chat files); a broken gradient path leaves it where it is.
+    head = parts[1].model.get_output_embeddings().weight
+    saved = head.detach().clone()
+    with torch.no_grad():
+        head.mul_(10.0)
+    try:
+        losses = fit_batch(module_for(parts), parts[3], steps=12, lr=3e-3)
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
+    assert losses[-1] < losses[0] - 1.0, losses
 
 
 def test_labels_are_the_same_position_tokens(parts):
