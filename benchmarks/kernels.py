@@ -17,22 +17,9 @@ import pathlib
 import torch
 
 from dflash2 import kernels
+from dflash2.timing import graph_ms, median_ms, print_table
 
 BATCHES = [2**i for i in range(9)]  # 1 .. 256 requests
-
-
-def median_ms(fn) -> float:
-    """Per call as Python sees it: launch overhead included, which dominates small shapes without CUDA graphs."""
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def graph_ms(fn) -> float:
-    """Per call replayed from a CUDA graph (how serving engines run decode): device time only."""
-    from triton.testing import do_bench_cudagraph
-
-    return do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
 def copy_bandwidth_gbs(device: torch.device, gib: int = 1) -> float:
@@ -102,18 +89,6 @@ def conv_rows(
     return rows
 
 
-def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
-    print(f"\n{title}")
-    widths = [max(10, len(c)) for c in columns]
-    print("  ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        cells = [
-            f"{row[c]:>{w}.4f}" if isinstance(row[c], float) else f"{row[c]:>{w}}"
-            for c, w in zip(columns, widths, strict=True)
-        ]
-        print("  ".join(cells))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/kernels.json", help="where the JSON results go")
@@ -141,9 +116,8 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     print(f"{result['device']}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"device copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
-    print_table("selector_walk (ms)", walk, ["batch", "triton_ms", "triton_graph_ms", "torch_ms", "torch_graph_ms"])
+    print_table(walk, ["batch", "triton_ms", "triton_graph_ms", "torch_ms", "torch_graph_ms"], "selector_walk (ms)")
     print_table(
-        f"grouped_conv bf16, H={args.hidden_size}, G={args.hidden_size // args.group_size}, T={args.taps} (ms)",
         conv,
         [
             "tokens",
@@ -154,6 +128,7 @@ def main() -> None:
             "floor_ms",
             "triton_graph_gbs",
         ],  # fmt: skip
+        f"grouped_conv bf16, H={args.hidden_size}, G={args.hidden_size // args.group_size}, T={args.taps} (ms)",
     )
     print(f"\nwrote {out}")
 

@@ -37,6 +37,7 @@ from dflash2 import kernels
 from dflash2.config import DFlash2Config, default_target_layer_ids
 from dflash2.model import DFlash2DraftModel, DraftCache, RMSNorm, apply_rope
 from dflash2.selector import head_logits
+from dflash2.timing import graph_ms, median_ms, print_table
 
 REP_MS = 200  # do_bench_cudagraph's measuring window per piece
 CPU_REPEATS = 5
@@ -81,17 +82,15 @@ def measure(name: str, fn: Callable[[], object], device: torch.device) -> dict:
             fn()
             times.append(time.perf_counter() - start)
         return {"ms": 1e3 * statistics.median(times), "graph": False}
-    from triton.testing import do_bench, do_bench_cudagraph
-
     for _ in range(3):  # Triton compiles, cuBLAS and SDPA pick their kernels: none of that may land in a capture
         fn()
     torch.cuda.synchronize()
     try:
-        return {"ms": do_bench_cudagraph(fn, rep=REP_MS, return_mode="median"), "graph": True}
+        return {"ms": graph_ms(fn, rep=REP_MS), "graph": True}
     except RuntimeError as e:  # torch reports a failed capture as a RuntimeError (AcceleratorError included)
         torch.cuda.synchronize()
         print(f"WARNING: {name} could not be captured in a CUDA graph ({e}); timed eagerly", file=sys.stderr)
-        ms = do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")
+        ms = median_ms(fn, rep=REP_MS)
         return {"ms": ms, "graph": False, "capture_error": str(e)[:500]}
 
 
@@ -349,17 +348,6 @@ def batch_row(
     return row
 
 
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(8, len(c)) for c in columns]
-    print("  ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        cells = [
-            f"{row[c]:>{w}.4f}" if isinstance(row[c], float) else f"{row[c]:>{w}}"
-            for c, w in zip(columns, widths, strict=True)
-        ]
-        print("  ".join(cells))
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/overhead.json", help="where the JSON results go")
@@ -403,9 +391,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{result['device']}, torch {torch.__version__}, timer {result['timer']}")
     print(f"context {context} tokens, B = {s.block_size}, K = {s.top_k}, hidden {s.hidden}, vocab {s.vocab}")
     print("\nDFlash2-only parts of one draft step (ms)")
-    print_table(rows, ["batch", *(f"{p}_ms" for p in PARTS), "parts_ms"])
+    print_table(rows, ["batch", *(f"{p}_ms" for p in PARTS), "parts_ms"], min_width=8)
     print("\nwhole steps (ms) and DFlash2's share of draft + verify")
-    print_table(rows, ["batch", *(f"{p}_ms" for p in STEPS), "overhead_share", "differential_share"])
+    print_table(rows, ["batch", *(f"{p}_ms" for p in STEPS), "overhead_share", "differential_share"], min_width=8)
     eager = sorted({name for row in rows for name, g in row["graph"].items() if not g})
     if device.type == "cuda" and eager:
         print(f"\nWARNING: not captured in a CUDA graph, timed eagerly: {', '.join(eager)}")

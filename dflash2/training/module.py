@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torchmetrics import Metric
 
-from dflash2.config import DFlash2Config
+from dflash2.config import DFLASH_FIELDS, DFlash2Config
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.losses import draft_losses, selector_alpha, slot_weights, summarise
@@ -24,17 +24,9 @@ log = logging.getLogger(__name__)
 
 # Parameters DFlash2 adds on top of a DFlash backbone: what `train_backbone=false` still trains.
 HEAD_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")
-# Structural fields a warm start takes from the draft config, not from the loaded folder.
-WARM_START_FIELDS = (
-    "block_size",
-    "mask_token_id",
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-    "output_multiplier",
-    "final_logit_softcapping",
-)
+# Structural fields a warm start takes from the draft config, not from the loaded folder: every dflash_config
+# field but the target layers, which the folder's weights were trained on (adopt_warm_start makes the model use them).
+WARM_START_FIELDS = tuple(f for f in DFLASH_FIELDS if f != "target_layer_ids")
 
 
 class DraftMetrics(Metric):
