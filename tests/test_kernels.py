@@ -1,9 +1,6 @@
 """Triton kernels against their PyTorch references, and the references against plain loops, on fresh inputs."""
 
 import importlib
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels then run on the CPU
 
 import pytest
 import torch
@@ -12,6 +9,12 @@ from dflash2 import kernels
 from dflash2.kernels import _backend, grouped_conv_reference, selector_walk_reference
 
 needs_triton = pytest.mark.skipif(_backend.triton is None, reason="triton is not installed")
+# The Triton tests run the compiled kernels on a GPU; without one, conftest.py has set TRITON_INTERPRET=1.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*tensors):
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 # ---------------------------------------------------------------- grouped conv
@@ -58,15 +61,15 @@ def test_conv_triton_matches_reference(blocks, block_size, hidden_size, group_si
     if blocks * block_size > 64:
         hidden, delta = hidden[:64], delta[:64]  # keeps the interpreter fast; a ragged last block is fine too
     with kernels.backend("triton"):
-        got = kernels.grouped_conv(hidden, delta, base, block_size, group_size)
-    torch.testing.assert_close(got, grouped_conv_reference(hidden, delta, base, block_size, group_size))
+        got = kernels.grouped_conv(*on_device(hidden, delta, base), block_size, group_size)
+    torch.testing.assert_close(got.cpu(), grouped_conv_reference(hidden, delta, base, block_size, group_size))
 
 
 @needs_triton
 def test_conv_triton_bf16_keeps_dtype():
     hidden, delta, base = conv_inputs(7, 4, 8, 64, 16, 2, dtype=torch.bfloat16)
     with kernels.backend("triton"):
-        got = kernels.grouped_conv(hidden, delta, base, 8, 16)
+        got = kernels.grouped_conv(*on_device(hidden, delta, base), 8, 16).cpu()
     assert got.dtype == torch.bfloat16
     expected = conv_loop(hidden, delta, base, 8, 16)
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
@@ -86,11 +89,11 @@ def test_conv_grads_match_loop(name):
     hidden, delta, base = conv_inputs(11, 3, 8, 32, 8, 2)
     weight = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(12))
     grads = []
-    for fn in (conv_loop, kernels.grouped_conv):
-        leaves = [x.clone().requires_grad_() for x in (hidden, delta, base)]
+    for fn, device in ((conv_loop, "cpu"), (kernels.grouped_conv, DEVICE)):
+        leaves = [x.clone().to(device).requires_grad_() for x in (hidden, delta, base)]
         with kernels.backend(name):
-            (fn(*leaves, 8, 8) * weight).sum().backward()
-        grads.append([x.grad.double() for x in leaves])
+            (fn(*leaves, 8, 8) * weight.to(device)).sum().backward()
+        grads.append([x.grad.double().cpu() for x in leaves])
     for got, expected in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -165,8 +168,9 @@ def test_walk_reference_matches_loop(batch, block_size, k):
 def test_walk_triton_matches_reference(batch, block_size, k):
     inputs = walk_inputs(batch * 1000 + block_size * 10 + k + 1, batch, block_size, k)
     with kernels.backend("triton"):
-        tokens, q = kernels.selector_walk(*inputs)
+        tokens, q = kernels.selector_walk(*on_device(*inputs))
     expected_tokens, expected_q = selector_walk_reference(*inputs)
+    tokens, q = tokens.cpu(), q.cpu()
     assert tokens.dtype == torch.int64 and q.dtype == torch.float32
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(q, expected_q)
@@ -179,8 +183,8 @@ def test_walk_greedy_rows_ignore_sampled_rows(name):
     inputs = walk_inputs(5, 6, 8, 16, greedy_every=2)
     greedy = inputs[4]
     with kernels.backend(name):
-        mixed_tokens, mixed_q = kernels.selector_walk(*inputs)
-        alone_tokens, alone_q = kernels.selector_walk(*(x[greedy] for x in inputs))
+        mixed_tokens, mixed_q = (x.cpu() for x in kernels.selector_walk(*on_device(*inputs)))
+        alone_tokens, alone_q = (x.cpu() for x in kernels.selector_walk(*on_device(*(x[greedy] for x in inputs))))
     assert torch.equal(mixed_tokens[greedy], alone_tokens)
     assert torch.equal(mixed_q[greedy], alone_q)
     # and the greedy answer is the plain argmax path, whatever the sampled rows drew
@@ -194,7 +198,7 @@ def test_walk_q_is_a_distribution_and_ties_pick_lowest(name):
     inputs = walk_inputs(9, 7, 8, 16, greedy_every=3, ties=True)
     greedy = inputs[4]
     with kernels.backend(name):
-        tokens, q = kernels.selector_walk(*inputs)
+        tokens, q = (x.cpu() for x in kernels.selector_walk(*on_device(*inputs)))
     torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[:2]))
     assert ((q[greedy] == 0) | (q[greedy] == 1)).all() and (q[greedy].sum(-1) == 1).all()
     expected_tokens, expected_q = walk_loop(*inputs)
@@ -204,7 +208,7 @@ def test_walk_q_is_a_distribution_and_ties_pick_lowest(name):
     flat = tuple(x.clone() for x in inputs)
     flat[1].zero_()
     with kernels.backend(name):
-        tokens, _ = kernels.selector_walk(*flat)
+        tokens = kernels.selector_walk(*on_device(*flat))[0].cpu()
     assert torch.equal(tokens[greedy], flat[0][greedy][..., 0])
 
 

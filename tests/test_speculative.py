@@ -165,6 +165,9 @@ def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
     prompts = random_prompts(seed, 2, tiny.vocab_size)
     # Sizeable codebooks, so the walk leaves the argmax path.
     draft = make_draft(tiny, "dflash2", 4, seed, scale=0.5)
+    if torch.cuda.is_available():  # the compiled kernel; without a GPU, conftest.py has set TRITON_INTERPRET=1
+        tiny = TargetModel.load("tiny", target_layer_ids=[1, 2], device="cuda")
+        draft = draft.cuda()
     seen = {}
 
     def recording(*args, **kwargs):

@@ -235,15 +235,17 @@ def test_static_cache_generates_the_same_replies(tiny):
     caches, original = [], tiny.model.generate
 
     def spy(**kwargs):
-        caches.append(kwargs["generation_config"].cache_implementation)
+        config = kwargs["generation_config"]
+        caches.append((config.cache_implementation, config.max_cache_len))
         return original(**kwargs)
 
     tiny.model.generate = spy
     try:
         static = generate(tiny, prompts, max_new_tokens=6, temperature=0.0, cache_implementation="static")
+        pinned = generate(tiny, prompts, 6, 0.0, cache_implementation="static", max_cache_len=64)
     finally:
         tiny.model.generate = original
-    assert caches == ["static"] and static == dynamic
+    assert caches == [("static", None), ("static", 64)] and static == dynamic == pinned
 
 
 def test_regenerate_config_on_tiny(tmp_path):
@@ -259,3 +261,32 @@ def test_regenerate_config_on_tiny(tmp_path):
     cfg.output = str(tmp_path / "out.jsonl")
     assert run(cfg) == 1
     assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a"]
+
+
+def test_generate_without_a_pad_token(tiny):
+    """Some GGUF tokenizers load without a pad token; batched left-padded generation must still work, unchanged."""
+    from dflash2.data.regenerate import generate
+
+    prompts = [torch.randint(4, tiny.vocab_size, (n,)).tolist() for n in random.sample(range(3, 12), 3)]
+    expected = generate(tiny, prompts, max_new_tokens=5, temperature=0.0)
+    pad = tiny.tokenizer.pad_token
+    try:
+        tiny.tokenizer.pad_token = None
+        assert generate(tiny, prompts, max_new_tokens=5, temperature=0.0) == expected
+    finally:
+        tiny.tokenizer.pad_token = pad
+
+
+def test_continuous_batching_regenerates_the_same_conversations(tiny, tmp_path):
+    """Greedy replies do not depend on how requests are batched: transformers' continuous batching (each turn queued
+    when the previous reply ends) writes what the turn-by-turn batches write."""
+    write_sharegpt(tmp_path / "chats.json")
+    outputs = {}
+    for continuous in (False, True):
+        out = tmp_path / f"regen-{continuous}.jsonl"
+        conversations = load_conversations(str(tmp_path / "chats.json"))
+        n = regenerate(tiny, conversations, out, batch_size=2, max_new_tokens=5, continuous_batching=continuous)
+        assert n == 2
+        outputs[continuous] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [m["role"] for m in outputs[True][0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert outputs[True] == outputs[False]

@@ -293,6 +293,13 @@ def test_checkpoint_layout_and_resume(chats, tmp_path):
     assert probe.lr == ckpt["lr_schedulers"][0]["_last_lr"][0]
 
 
+def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
+    """trainer=gpu's bf16-mixed with the recipe's clipping: Lightning refuses a fused AdamW there, so none is used."""
+    cfg = config(chats, tmp_path / "run", "trainer.max_steps=2", "trainer.precision=bf16-mixed", "validate_first=false")
+    assert cfg.trainer.gradient_clip_val > 0 and cfg.optim.fused is None
+    assert train(cfg)["global_step"] == 2
+
+
 class WandbProbe(Callback):
     def on_train_start(self, trainer, module) -> None:
         self.id = trainer.logger.experiment.id

@@ -56,6 +56,7 @@ def regenerate(
     chat_template_kwargs: dict[str, Any] | None = None,
     regenerated_by: str = "target",
     cache_implementation: str | None = None,
+    continuous_batching: bool = False,
 ) -> int:
     """Regenerate and append every conversation not in `output` yet; returns how many were written."""
     output = Path(output)
@@ -79,6 +80,7 @@ def regenerate(
                 max_length=max_length,
                 chat_template_kwargs=chat_template_kwargs or {},
                 cache_implementation=cache_implementation,
+                continuous_batching=continuous_batching,
             )
             # One write + fsync per chunk: a kill leaves at most one torn line, which the next run cuts off.
             kept = [r | {"regenerated_by": regenerated_by} for r in results if r["messages"]]
@@ -92,6 +94,55 @@ def regenerate(
     return written
 
 
+class Dialogues:
+    """Walks the conversations of a chunk: the prompt of each one's next assistant turn, then its new reply."""
+
+    def __init__(
+        self,
+        conversations: list[dict[str, Any]],
+        tokenizer: Any,
+        *,
+        max_new_tokens: int,
+        max_length: int,
+        chat_template_kwargs: dict[str, Any],
+    ) -> None:
+        self.conversations, self.tokenizer = conversations, tokenizer
+        self.max_new_tokens, self.max_length = max_new_tokens, max_length
+        self.chat_template_kwargs = chat_template_kwargs
+        self.new: list[list[dict[str, str]]] = [[] for _ in conversations]
+        self.cursor = [0] * len(conversations)
+
+    def next_prompt(self, i: int) -> list[int] | None:
+        """Token ids of conversation i's next reply prompt (its regenerated turns so far); None once it is done."""
+        messages = self.conversations[i]["messages"]
+        while self.cursor[i] < len(messages) and messages[self.cursor[i]]["role"] != "assistant":
+            self.new[i].append(dict(messages[self.cursor[i]]))
+            self.cursor[i] += 1
+        if self.cursor[i] == len(messages) or not self.new[i]:  # finished, or a reply with nothing before it
+            self.cursor[i] = len(messages)
+            return None
+        text = self.tokenizer.apply_chat_template(
+            self.new[i], tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + self.max_new_tokens > self.max_length:
+            self.cursor[i] = len(messages)  # this turn does not fit: keep the turns before it
+            return None
+        return ids
+
+    def reply(self, i: int, text: str) -> None:
+        self.new[i].append({"role": "assistant", "content": text})
+        self.cursor[i] += 1
+
+    def results(self) -> list[dict[str, Any]]:
+        results = []
+        for conv, messages in zip(self.conversations, self.new, strict=True):
+            while messages and messages[-1]["role"] != "assistant":  # a trailing prompt without its reply
+                messages.pop()
+            results.append({"id": conv["id"], "messages": messages})
+        return results
+
+
 def regenerate_chunk(
     target: TargetModel,
     conversations: list[dict[str, Any]],
@@ -102,44 +153,82 @@ def regenerate_chunk(
     max_length: int,
     chat_template_kwargs: dict[str, Any],
     cache_implementation: str | None = None,
+    continuous_batching: bool = False,
 ) -> list[dict[str, Any]]:
-    """Turn by turn across the chunk: every conversation's k-th reply is generated in the same batches."""
-    tokenizer = target.tokenizer
-    new: list[list[dict[str, str]]] = [[] for _ in conversations]
-    cursor = [0] * len(conversations)
-    active = list(range(len(conversations)))
-    while active:
-        prompts: list[tuple[int, list[int]]] = []
-        for i in active:
-            messages = conversations[i]["messages"]
-            while cursor[i] < len(messages) and messages[cursor[i]]["role"] != "assistant":
-                new[i].append(dict(messages[cursor[i]]))
-                cursor[i] += 1
-            if cursor[i] == len(messages) or not new[i]:  # finished, or a reply with nothing before it
-                cursor[i] = len(messages)
-                continue
-            text = tokenizer.apply_chat_template(
-                new[i], tokenize=False, add_generation_prompt=True, **chat_template_kwargs
+    """Every assistant turn of the chunk, each after the turns regenerated before it."""
+    dialogues = Dialogues(
+        conversations,
+        target.tokenizer,
+        max_new_tokens=max_new_tokens,
+        max_length=max_length,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    if continuous_batching:
+        _continuous(target, dialogues, max_new_tokens, temperature)
+        return dialogues.results()
+    # Turn by turn across the chunk: every conversation's k-th reply is generated in the same batches.
+    prompts = {i: ids for i in range(len(conversations)) if (ids := dialogues.next_prompt(i)) is not None}
+    while prompts:
+        order = sorted(prompts, key=lambda i: len(prompts[i]))  # similar lengths share a batch: less left padding
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            replies = generate(
+                target, [prompts[i] for i in batch], max_new_tokens, temperature, cache_implementation, max_length
             )
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) + max_new_tokens > max_length:
-                cursor[i] = len(messages)  # this turn does not fit: keep the turns before it
+            for i, reply in zip(batch, replies, strict=True):
+                dialogues.reply(i, reply)
+        prompts = {i: ids for i in prompts if (ids := dialogues.next_prompt(i)) is not None}
+    return dialogues.results()
+
+
+@torch.no_grad()
+def _continuous(target: TargetModel, dialogues: Dialogues, max_new_tokens: int, temperature: float) -> None:
+    """transformers' continuous batching (paged KV cache; CUDA graphs on a GPU): a conversation's next turn is
+    queued the moment its previous reply finishes, so no batch waits for its longest reply."""
+    tokenizer = target.tokenizer
+    config = generation_config(target, max_new_tokens, temperature)
+    with target.model.continuous_batching_context_manager(generation_config=config) as manager:
+
+        def submit(i: int) -> int:
+            ids = dialogues.next_prompt(i)
+            if ids is not None:  # the id names the turn too: each request id must be new
+                manager.add_request(ids, request_id=f"{i}/{len(dialogues.new[i])}", max_new_tokens=max_new_tokens)
+            return ids is not None
+
+        live = sum(submit(i) for i in range(len(dialogues.conversations)))
+        while live:
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped before all replies were generated")
                 continue
-            prompts.append((i, ids))
-        prompts.sort(key=lambda p: len(p[1]))  # similar lengths share a batch: less left padding
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts[start : start + batch_size]
-            replies = generate(target, [ids for _, ids in batch], max_new_tokens, temperature, cache_implementation)
-            for (i, _), reply in zip(batch, replies, strict=True):
-                new[i].append({"role": "assistant", "content": reply})
-                cursor[i] += 1
-        active = [i for i in active if cursor[i] < len(conversations[i]["messages"])]
-    results = []
-    for conv, messages in zip(conversations, new, strict=True):
-        while messages and messages[-1]["role"] != "assistant":  # a trailing prompt without its reply
-            messages.pop()
-        results.append({"id": conv["id"], "messages": messages})
-    return results
+            if not out.is_finished():
+                continue
+            if out.error is not None:
+                raise RuntimeError(f"generating reply {out.request_id} (conversation/turn) failed: {out.error}")
+            i = int(out.request_id.split("/")[0])
+            dialogues.reply(i, tokenizer.decode(out.generated_tokens, skip_special_tokens=True))
+            live += submit(i) - 1
+
+
+def generation_config(target: TargetModel, max_new_tokens: int, temperature: float, **kwargs: Any) -> GenerationConfig:
+    """A full config, so a checkpoint's own sampling defaults (Qwen3: top_k 20, top_p 0.95) do not leak in."""
+    tokenizer, model = target.tokenizer, target.model
+    if tokenizer.pad_token is None:  # some GGUF tokenizers come without one; the left padding is masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    eos = model.generation_config.eos_token_id
+    eos = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    sample = temperature > 0
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_k=0 if sample else None,
+        top_p=1.0 if sample else None,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        **kwargs,
+    )
 
 
 @torch.no_grad()
@@ -149,25 +238,20 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     cache_implementation: str | None = None,
+    max_cache_len: int | None = None,
 ) -> list[str]:
     """`cache_implementation="static"`: transformers preallocates the KV cache and, on CUDA, compiles the decode
-    step into a CUDA graph, which is what makes a small target's batched generation fast."""
+    step into a CUDA graph, which is what makes a small target's batched generation fast. `max_cache_len` sizes
+    that cache for the longest call once: otherwise each batch's own length is a new shape and a recompile."""
+    config = generation_config(
+        target,
+        max_new_tokens,
+        temperature,
+        cache_implementation=cache_implementation,
+        max_cache_len=max_cache_len if cache_implementation == "static" else None,
+    )
     tokenizer, model = target.tokenizer, target.model
     batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
-    eos = model.generation_config.eos_token_id
-    eos = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-    sample = temperature > 0
-    # A full config, so a checkpoint's own sampling defaults (Qwen3: top_k 20, top_p 0.95) do not leak in.
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=temperature if sample else None,
-        top_k=0 if sample else None,
-        top_p=1.0 if sample else None,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        cache_implementation=cache_implementation,
-    )
     out = model.generate(**batch, generation_config=config)
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
@@ -193,6 +277,7 @@ def run(cfg: DictConfig) -> int:
         chat_template_kwargs=OmegaConf.to_container(cfg.chat_template_kwargs),
         regenerated_by=cfg.model.name,
         cache_implementation=cfg.get("cache_implementation"),
+        continuous_batching=cfg.get("continuous_batching", False),
     )
     print(f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name})")
     return n

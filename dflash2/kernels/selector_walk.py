@@ -23,7 +23,7 @@ if triton is not None:
         greedy_ptr,
         tokens_ptr,
         q_ptr,
-        n_slots,
+        n_slots: tl.constexpr,  # one compile per block size; a runtime bound breaks older Triton interpreters
         K: tl.constexpr,
     ):
         # One program walks one request: the slots depend on each other, the requests do not.
@@ -71,7 +71,7 @@ def _selector_walk_triton(
             greedy_mask.to(torch.int32).contiguous(),
             tokens,
             q,
-            n_slots,
+            n_slots=n_slots,
             K=k,
             num_warps=1,  # K <= a few hundred scores fit one warp's registers
         )

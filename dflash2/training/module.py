@@ -64,7 +64,7 @@ class DFlash2Module(L.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_ratio: float = 0.04,
-        fused: bool = True,
+        fused: bool | None = None,
         loss_gamma: float | None = None,
         selector_alpha: float = 1.0,
         selector_warmup_steps: int = 0,
@@ -179,8 +179,13 @@ class DFlash2Module(L.LightningModule):
                 # Norm gains and the conv's identity taps are the structure, not capacity: never shrunk.
                 (no_decay if p.dim() < 2 or name.endswith("base_kernel") else decay).append(p)
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        # The fused step is one kernel over all tensors (CPU too): several times faster than the loop over them.
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), fused=h.get("fused", True))
+        # The fused step is one kernel over all tensors (CPU too): several times faster than the loop over them. But
+        # under *-mixed precision Lightning refuses to clip the gradients of an optimizer that could unscale them
+        # itself, so there the default is the multi-tensor (foreach) step.
+        fused = h.get("fused")
+        if fused is None:
+            fused = not str(self.trainer.precision).endswith("-mixed")
+        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), fused=fused)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(h.warmup_ratio * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

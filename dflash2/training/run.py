@@ -138,7 +138,7 @@ def build_module(
         weight_decay=o.weight_decay,
         betas=tuple(o.betas),
         warmup_ratio=o.warmup_ratio,
-        fused=o.get("fused", True),
+        fused=o.get("fused"),
         loss_gamma=d.get("loss_gamma"),
         selector_alpha=d.selector_alpha,
         selector_warmup_steps=d.selector_warmup_steps,
