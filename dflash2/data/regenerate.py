@@ -185,6 +185,11 @@ def regenerate_chunk(
 def _continuous(target: TargetModel, dialogues: Dialogues, max_new_tokens: int, temperature: float) -> None:
     """transformers' continuous batching (paged KV cache; CUDA graphs on a GPU): a conversation's next turn is
     queued the moment its previous reply finishes, so no batch waits for its longest reply."""
+    if not hasattr(target.model, "continuous_batching_context_manager"):
+        raise ValueError(
+            "continuous_batching=true needs transformers' continuous batching (tested with 5.17 and 5.24): upgrade "
+            "transformers or set continuous_batching=false"
+        )
     tokenizer = target.tokenizer
     config = generation_config(target, max_new_tokens, temperature)
     with target.model.continuous_batching_context_manager(generation_config=config) as manager:
