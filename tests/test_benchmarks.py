@@ -143,3 +143,21 @@ def test_flop_formula_matches_the_flop_counter(preset):
     hq = draft.num_attention_heads * draft.head_dim
     assert flops["draft_attention"] == 3 * draft.num_hidden_layers * 4 * hq * int(mask.sum())
     assert flops["target_attention"] == (max(draft.target_layer_ids) + 1) * 4 * hq * b * length * (length + 1) / 2
+
+
+def test_ddp_small_splits_the_global_batch_and_compares_curves(tmp_path):
+    out = tmp_path / "ddp.json"
+    load("ddp").main(["--small", "--out", str(out)])
+    result = json.loads(out.read_text())
+    single, ddp = result["runs"]
+    steps = 8  # --small's default
+    assert single["devices"] == 1 and ddp["devices"] == 2 and "trainer=ddp" in ddp["command"]
+    assert single["steps"] == ddp["steps"] == list(range(steps))
+    # The same global batch: one process takes both ranks' rows.
+    assert single["rows_per_device"] == 2 * ddp["rows_per_device"] == steps * result["global_rows_per_step"]
+    assert all(math.isfinite(x) for x in single["loss"] + ddp["loss"])
+    assert ddp["tokens_per_s"] == pytest.approx(2 * ddp["device_tokens_per_s"])
+    assert result["throughput_ratio"] == pytest.approx(ddp["tokens_per_s"] / single["tokens_per_s"])
+    smooth = lambda r: statistics.mean(r["loss"][-result["smooth"] :])  # noqa: E731
+    assert result["final_smoothed_loss"] == pytest.approx([smooth(single), smooth(ddp)])
+    assert result["smoothed_loss_gap_last"] == pytest.approx(abs(smooth(ddp) - smooth(single)) / smooth(single))

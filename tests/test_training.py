@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import random
@@ -298,6 +299,26 @@ def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
     cfg = config(chats, tmp_path / "run", "trainer.max_steps=2", "trainer.precision=bf16-mixed", "validate_first=false")
     assert cfg.trainer.gradient_clip_val > 0 and cfg.optim.fused is None
     assert train(cfg)["global_step"] == 2
+
+
+class TokenProbe(Callback):
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.tokens.append(int((batch["labels"] != -100).sum()))
+
+
+def test_throughput_is_logged_in_trained_tokens(chats, tmp_path):
+    """Lightning's ThroughputMonitor counts what a step trains on: the running token count is the labelled slots."""
+    import pandas as pd
+
+    probe = TokenProbe()
+    train(config(chats, tmp_path / "run", "trainer.max_steps=4", "validate_first=false"), callbacks=[probe])
+    metrics = pd.read_csv(next((tmp_path / "run" / "csv").rglob("metrics.csv")))
+    logged = metrics.dropna(subset=["train/lengths"]).sort_values("step")
+    assert len(probe.tokens) == 4 and logged["train/lengths"].tolist() == list(itertools.accumulate(probe.tokens))
+    assert logged["train/time"].is_monotonic_increasing and logged["train/samples"].iloc[-1] == 4 * 4
 
 
 class WandbProbe(Callback):

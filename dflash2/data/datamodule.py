@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from dflash2.data.anchors import block_ids, block_labels, block_positions, sample_anchors
+from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
 from dflash2.data.chat import _same_file, load_conversations, sharegpt_path, tokenize_conversations
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,16 @@ class AnchoredRows(Dataset):
             "loss_mask": row["loss_mask"].long(),
             "anchors": anchors,
         }
+
+
+def batch_rows(batch: dict[str, torch.Tensor]) -> int:
+    """Sequences in a collated batch (Lightning's ThroughputMonitor `batch_size_fn`)."""
+    return batch["input_ids"].shape[0]
+
+
+def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Block slots with a label, i.e. the tokens a step trains on (ThroughputMonitor's `length_fn`)."""
+    return int((batch["labels"] != IGNORE).sum())
 
 
 class BlockCollator:

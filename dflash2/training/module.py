@@ -149,6 +149,7 @@ class DFlash2Module(L.LightningModule):
             on_epoch=False,
             prog_bar=False,
             batch_size=batch["input_ids"].shape[0],
+            sync_dist=True,  # under DDP: the mean over ranks, i.e. the global batch's loss, comparable to one device
         )
         self.log("tau", stats["tau_sim"], prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
         return loss
