@@ -65,14 +65,15 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftM
     return target, draft, identity
 
 
-def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None) -> float | None:
-    """The drafter's teacher-forced `tau_sim` from its manifest or its README's metrics table, if recorded."""
+def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None, name: str = "tau_sim") -> float | None:
+    """The drafter's teacher-forced `tau_sim` from its manifest or its README's metrics table, if recorded.
+    `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one decoding with `draft.selector=false` runs."""
     for key, value in (manifest or {}).items():
-        if key.endswith("tau_sim") and isinstance(value, int | float):
+        if key.rsplit("/", 1)[-1] == name and isinstance(value, int | float):
             return float(value)
     readme = Path(draft_dir) / "README.md"
     if readme.is_file():
-        match = re.search(r"\|\s*`?[\w/]*tau_sim`?\s*\|\s*([0-9.eE+-]+)\s*\|", readme.read_text())
+        match = re.search(rf"\|\s*`?[\w/]*\b{name}`?\s*\|\s*([0-9.eE+-]+)\s*\|", readme.read_text())
         if match:
             return float(match.group(1))
     return None
@@ -221,7 +222,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     )
     num_tokens = sum(len(s["output_ids"]) for s in samples)
     manifest = draft.config.extra.get(MANIFEST_KEY)
-    tau_sim = read_tau_sim(cfg.draft.path, manifest)
+    argmax_path = draft.candidate_selector is not None and not use_selector
+    tau_sim = read_tau_sim(cfg.draft.path, manifest, "tau_sim_top1" if argmax_path else "tau_sim")
     results: dict[str, Any] = {
         **acceptance_stats([s["accept_lengths"] for s in samples], block_size),
         "tau_sim": tau_sim,

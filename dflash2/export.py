@@ -151,8 +151,9 @@ and head. {shape}.
 
 {table if metrics else "None recorded."}
 
-`tau_sim` is the acceptance length predicted from teacher-forced accuracies; measured speculative decoding
-is usually a little lower.
+`tau_sim` is the acceptance length predicted from teacher-forced accuracies of the proposals decoding makes
+(for DFlash2, the candidate selector's picks; `tau_sim_top1` is the plain argmax path, used with the selector
+off); measured speculative decoding is usually a little lower.
 
 ## Serving
 

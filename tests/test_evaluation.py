@@ -117,6 +117,11 @@ def test_tau_sim_comes_from_the_manifest_or_the_readme(tmp_path):
     (tmp_path / "README.md").write_text("| `val/acc_1` | 0.5 |\n| `val/tau_sim` | 3.2500 |\n")
     assert read_tau_sim(tmp_path) == 3.25
     assert read_tau_sim(tmp_path, {"metrics/tau_sim": 4.0}) == 4.0
+    # A DFlash2 drafter also records its argmax path, the comparator of a run with draft.selector=false.
+    (tmp_path / "README.md").write_text("| `val/tau_sim` | 3.2500 |\n| `val/tau_sim_top1` | 2.5000 |\n")
+    assert read_tau_sim(tmp_path) == 3.25 and read_tau_sim(tmp_path, name="tau_sim_top1") == 2.5
+    both = {"metrics/tau_sim_top1": 2.0, "metrics/tau_sim": 4.0}
+    assert read_tau_sim(tmp_path, both) == 4.0 and read_tau_sim(tmp_path, both, "tau_sim_top1") == 2.0
 
 
 @pytest.fixture(scope="module")

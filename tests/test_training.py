@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from dflash2.config import tensor_shapes
 from dflash2.training import DFlash2Module, draft_losses, loss_gamma, register_resolvers, slot_weights, train
-from dflash2.training.losses import head_pass
+from dflash2.training.losses import head_pass, summarise
 from dflash2.training.run import build_data, draft_config_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +154,36 @@ def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
         torch.randn(b, n, s, h), labels, torch.randint(0, v, (b, n)), head, v, slot_weights(s + 1), sel_all
     )
     assert out.counts["topk_hit"] == valid and out.counts["selector_total"] == valid - 1
+
+
+def test_accuracy_scores_the_walk_that_decoding_runs():
+    """A DFlash2 drafter's acc_k / tau_sim count the selector's pick (what decoding proposes), not the argmax."""
+    from dflash2.selector import CandidateSelector
+
+    v, h, b, n, slots = 96, 16, 2, 5, 7
+    sel = CandidateSelector(h, v, rank=8, top_k=8)
+    torch.nn.init.normal_(sel.successor_codebook)  # a trained-looking lattice: the walk leaves the argmax path
+    head, hidden, anchors = torch.randn(v, h), torch.randn(b, n, slots, h), torch.randint(0, v, (b, n))
+    # The production path: candidates, lattice and greedy walk of every block.
+    flat = hidden.view(b * n, slots, h)
+    cand, unary = sel.compute_candidates(flat, head)
+    lattice = sel.build_lattice(cand, unary, flat, anchors.view(-1))
+    zeros = torch.zeros(b * n)
+    walked, _ = sel.walk(cand, lattice, torch.zeros(b * n, slots), zeros, torch.ones(b * n, dtype=torch.bool))
+    argmax = cand[..., 0]  # top-K is sorted: candidate 0 is the argmax
+    assert not torch.equal(walked, argmax)
+
+    # Gold = the walk's own path: the walk is right at every slot; the argmax only where it agrees with it.
+    out = draft_losses(hidden, walked.view(b, n, slots), anchors, head, v, slot_weights(slots + 1), sel)
+    assert torch.equal(out.counts["correct"], out.counts["total"])
+    assert torch.equal(out.counts["correct_top1"], (argmax == walked).float().sum(0))
+    metrics = summarise(out.counts)
+    assert metrics["tau_sim"] == slots + 1 and metrics["tau_sim_top1"] < slots + 1
+
+    # A fresh selector (zero successors) walks the argmax path: both accuracies agree on any labels.
+    labels = torch.where(torch.rand(b, n, slots) < 0.5, argmax.view(b, n, slots), torch.randint(0, v, (b, n, slots)))
+    fresh = draft_losses(hidden, labels, anchors, head, v, slot_weights(slots + 1), CandidateSelector(h, v, 8, 8))
+    assert torch.equal(fresh.counts["correct"], fresh.counts["correct_top1"]) and fresh.counts["correct"].sum() > 0
 
 
 # ---------------------------------------------------------------------- the module on the tiny target

@@ -3,6 +3,11 @@
 Everything is computed from one pass of the target head over the proposing slots: cross-entropy, top-1
 accuracy and the selector's candidates all come from the same logits, so the full-vocabulary fp32 logits are
 materialised once per chunk of slots.
+
+`acc_k` and `tau_sim` score what decoding proposes, teacher-forced: the head's argmax for a DFlash drafter, the
+selector's pick given the gold predecessor for a DFlash2 one (its walk, not the argmax, makes the proposal, so an
+argmax-based tau_sim would mis-predict the served tau). A DFlash2 drafter's argmax path, i.e. what it proposes
+with the selector off, is `tau_sim_top1`.
 """
 
 from __future__ import annotations
@@ -148,7 +153,11 @@ def draft_losses(
     sel_rows = F.cross_entropy(scores, gold, reduction="none")
     w_use = w * use
     sel = (sel_rows * w_use).sum() / w_use.sum().clamp_min(1e-6)
+    # The walk picks gold given the gold prefix; without a trained predecessor the argmax stands in.
+    picked = torch.where(prev != IGNORE, (scores.argmax(-1) == gold) & in_top, pred == y)
     counts |= {
+        "correct_top1": counts["correct"],
+        "correct": per_slot.index_add(0, k, picked.float()),
         "topk_hit": in_top.sum().float(),
         "topk_total": torch.tensor(float(y.numel()), device=h.device),
         "selector_hit": ((scores.argmax(-1) == gold) & use).sum().float(),
@@ -165,6 +174,9 @@ def summarise(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     acc = torch.where(total > 0, correct / total.clamp_min(1), torch.zeros_like(total))
     out = {f"acc_{k + 1}": float(a) for k, a in enumerate(acc)}
     out["tau_sim"] = 1.0 + float(torch.cumprod(acc, 0).sum())
+    if "correct_top1" in counts:
+        top1 = torch.where(total > 0, counts["correct_top1"].double() / total.clamp_min(1), torch.zeros_like(total))
+        out["tau_sim_top1"] = 1.0 + float(torch.cumprod(top1, 0).sum())
     out["loss_ce"] = float(counts["ce_sum"] / counts["weight_sum"].clamp_min(1e-6))
     if "topk_hit" in counts:
         out["topk_recall"] = _ratio(counts["topk_hit"], counts["topk_total"])

@@ -40,17 +40,18 @@ class DraftMetrics(Metric):
         if selector:
             names += ["topk_hit", "topk_total", "selector_hit", "selector_total", "selector_sum", "selector_weight_sum"]
         self.names = names
-        self.add_state("correct", torch.zeros(slots, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("total", torch.zeros(slots, dtype=torch.float64), dist_reduce_fx="sum")
+        self.per_slot = ["correct", "total"] + (["correct_top1"] if selector else [])
+        for name in self.per_slot:
+            self.add_state(name, torch.zeros(slots, dtype=torch.float64), dist_reduce_fx="sum")
         for name in names:
             self.add_state(name, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, counts: dict[str, torch.Tensor]) -> None:
-        for name in ["correct", "total", *self.names]:
+        for name in [*self.per_slot, *self.names]:
             setattr(self, name, getattr(self, name) + counts[name].detach().double())
 
     def compute(self) -> dict[str, float]:
-        return summarise({name: getattr(self, name) for name in ["correct", "total", *self.names]})
+        return summarise({name: getattr(self, name) for name in [*self.per_slot, *self.names]})
 
 
 class DFlash2Module(L.LightningModule):
