@@ -194,7 +194,7 @@ def _continuous(target: TargetModel, dialogues: Dialogues, max_new_tokens: int, 
     config = generation_config(target, max_new_tokens, temperature)
     with target.model.continuous_batching_context_manager(generation_config=config) as manager:
 
-        def submit(i: int) -> int:
+        def submit(i: int) -> bool:
             ids = dialogues.next_prompt(i)
             if ids is not None:  # the id names the turn too: each request id must be new
                 manager.add_request(ids, request_id=f"{i}/{len(dialogues.new[i])}", max_new_tokens=max_new_tokens)
