@@ -153,14 +153,15 @@ def draft_losses(
     sel_rows = F.cross_entropy(scores, gold, reduction="none")
     w_use = w * use
     sel = (sel_rows * w_use).sum() / w_use.sum().clamp_min(1e-6)
+    picks_gold = scores.argmax(-1) == gold
     # The walk picks gold given the gold prefix; without a trained predecessor the argmax stands in.
-    picked = torch.where(prev != IGNORE, (scores.argmax(-1) == gold) & in_top, pred == y)
+    picked = torch.where(prev != IGNORE, picks_gold & in_top, pred == y)
     counts |= {
         "correct_top1": counts["correct"],
         "correct": per_slot.index_add(0, k, picked.float()),
         "topk_hit": in_top.sum().float(),
         "topk_total": torch.tensor(float(y.numel()), device=h.device),
-        "selector_hit": ((scores.argmax(-1) == gold) & use).sum().float(),
+        "selector_hit": (picks_gold & use).sum().float(),
         "selector_total": use.sum().float(),
         "selector_sum": (sel_rows.detach() * w_use).sum(),
         "selector_weight_sum": w_use.sum(),
@@ -170,13 +171,16 @@ def draft_losses(
 
 def summarise(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Counts (summed over any number of batches) -> the metrics of contract section 8."""
-    correct, total = counts["correct"].double(), counts["total"].double()
-    acc = torch.where(total > 0, correct / total.clamp_min(1), torch.zeros_like(total))
+    total = counts["total"].double()
+
+    def accuracy(correct: torch.Tensor) -> torch.Tensor:
+        return torch.where(total > 0, correct.double() / total.clamp_min(1), torch.zeros_like(total))
+
+    acc = accuracy(counts["correct"])
     out = {f"acc_{k + 1}": float(a) for k, a in enumerate(acc)}
     out["tau_sim"] = 1.0 + float(torch.cumprod(acc, 0).sum())
     if "correct_top1" in counts:
-        top1 = torch.where(total > 0, counts["correct_top1"].double() / total.clamp_min(1), torch.zeros_like(total))
-        out["tau_sim_top1"] = 1.0 + float(torch.cumprod(top1, 0).sum())
+        out["tau_sim_top1"] = 1.0 + float(torch.cumprod(accuracy(counts["correct_top1"]), 0).sum())
     out["loss_ce"] = float(counts["ce_sum"] / counts["weight_sum"].clamp_min(1e-6))
     if "topk_hit" in counts:
         out["topk_recall"] = _ratio(counts["topk_hit"], counts["topk_total"])
