@@ -203,7 +203,6 @@ def test_regenerate_writes_and_resumes(tiny, tmp_path):
             out,
             batch_size=2,
             max_new_tokens=4,
-            chunk_size=1,
             regenerated_by="tiny",
         )
         assert run() == 2
@@ -277,16 +276,32 @@ def test_generate_without_a_pad_token(tiny):
         tiny.tokenizer.pad_token = pad
 
 
-def test_continuous_batching_regenerates_the_same_conversations(tiny, tmp_path):
-    """Greedy replies do not depend on how requests are batched: transformers' continuous batching (each turn queued
-    when the previous reply ends) writes what the turn-by-turn batches write."""
+def test_regenerate_fills_each_call_from_the_pool(tiny, tmp_path):
+    """A call takes the oldest waiting turns of any conversations: turn 2 of `a` shares a call with turn 1 of `c`,
+    and greedy replies do not depend on that batching (batch 1 writes the same conversations)."""
     write_sharegpt(tmp_path / "chats.json")
+    records = json.loads((tmp_path / "chats.json").read_text())
+    records.append({"id": "c", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "O"}]})
+    (tmp_path / "chats.json").write_text(json.dumps(records))
+    calls, original = [], tiny.model.generate
+
+    def spy(**kwargs):
+        calls.append(tiny.tokenizer.batch_decode(kwargs["input_ids"], skip_special_tokens=True))
+        return original(**kwargs)
+
     outputs = {}
-    for continuous in (False, True):
-        out = tmp_path / f"regen-{continuous}.jsonl"
-        conversations = load_conversations(str(tmp_path / "chats.json"))
-        n = regenerate(tiny, conversations, out, batch_size=2, max_new_tokens=5, continuous_batching=continuous)
-        assert n == 2
-        outputs[continuous] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [m["role"] for m in outputs[True][0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
-    assert outputs[True] == outputs[False]
+    tiny.model.generate = spy
+    try:
+        for batch_size in (2, 1):
+            calls.clear()
+            out = tmp_path / f"regen-{batch_size}.jsonl"
+            conversations = load_conversations(str(tmp_path / "chats.json"))
+            assert regenerate(tiny, conversations, out, batch_size=batch_size, max_new_tokens=5) == 3
+            outputs[batch_size] = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
+            if batch_size == 2:
+                pooled = calls[:]
+    finally:
+        tiny.model.generate = original
+    assert len(pooled) == 2 and len(calls) == 4  # turn by turn, batch 2 would take 3 calls
+    assert "Another one?" in pooled[1][0] and "Say hi." in pooled[1][1]
+    assert outputs[2] == outputs[1] and len(outputs[2]["a"]) == 5

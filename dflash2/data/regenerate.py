@@ -3,16 +3,18 @@
     python -m dflash2.data.regenerate [model=smollm2|tiny|qwen3] [input=FILE] [output=FILE] [limit=N] ...
 
 Each assistant turn is re-generated given the conversation so far, earlier turns already regenerated,
-so the drafter learns the target's own distribution. Conversations are written to a JSONL file
-(`{"id", "messages"}`) one chunk at a time; a rerun skips the ids already there, so an interrupted
-run resumes where it stopped. Conversations whose first prompt does not fit in `max_length` (or that
-have no assistant turn) are recorded in `<output>.skipped` so they are not retried either.
+so the drafter learns the target's own distribution. Each conversation is appended to a JSONL file
+(`{"id", "messages"}`) once its last turn is in; a rerun skips the ids already there, so an interrupted
+run resumes where it stopped, redoing only the conversations that were in flight. Conversations whose first
+prompt does not fit in `max_length` (or that have no assistant turn) are recorded in `<output>.skipped` so they
+are not retried either.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -52,37 +54,45 @@ def regenerate(
     max_new_tokens: int = 512,
     temperature: float = 0.0,
     max_length: int = 3072,
-    chunk_size: int = 64,
     chat_template_kwargs: dict[str, Any] | None = None,
     regenerated_by: str = "target",
     cache_implementation: str | None = None,
-    continuous_batching: bool = False,
 ) -> int:
-    """Regenerate and append every conversation not in `output` yet; returns how many were written."""
+    """Regenerate and append every conversation not in `output` yet; returns how many were written.
+
+    Conversations flow through a pool: each `generate` call takes the `batch_size` oldest waiting turns, whatever
+    conversation or turn number they belong to, and a conversation's next turn waits again as soon as its reply
+    is in. So every call but the last few is full, where a turn-by-turn schedule leaves the late turns of a few
+    long conversations in small batches of their own. A conversation is written when its last turn is in."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = completed_ids(output)
-    todo = [c for c in conversations if c["id"] not in done]
-    written = 0
+    todo = deque(c for c in conversations if c["id"] not in done)
+    dialogues = Dialogues(
+        target.tokenizer,
+        max_new_tokens=max_new_tokens,
+        max_length=max_length,
+        chat_template_kwargs=chat_template_kwargs or {},
+    )
+    written = calls = 0
     with (
         output.open("a") as out,
         output.with_name(output.name + ".skipped").open("a") as skip,
         tqdm(total=len(todo), desc="regenerate", unit="conv") as bar,
     ):
-        for start in range(0, len(todo), chunk_size):
-            chunk = todo[start : start + chunk_size]
-            results = regenerate_chunk(
-                target,
-                chunk,
-                batch_size=batch_size,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                max_length=max_length,
-                chat_template_kwargs=chat_template_kwargs or {},
-                cache_implementation=cache_implementation,
-                continuous_batching=continuous_batching,
-            )
-            # One write + fsync per chunk: a kill leaves at most one torn line, which the next run cuts off.
+        while todo or dialogues.waiting:
+            while todo and len(dialogues.waiting) < batch_size:
+                dialogues.add(todo.popleft())
+            turns = [dialogues.waiting.popleft() for _ in range(min(batch_size, len(dialogues.waiting)))]
+            if turns:
+                replies = generate(
+                    target, [ids for _, ids in turns], max_new_tokens, temperature, cache_implementation, max_length
+                )
+                for (key, _), reply in zip(turns, replies, strict=True):
+                    dialogues.reply(key, reply)
+                calls += 1
+            results = dialogues.pop_finished()
+            # One write + fsync per call: a kill leaves at most one torn line, which the next run cuts off.
             kept = [r | {"regenerated_by": regenerated_by} for r in results if r["messages"]]
             out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
             skip.write("".join(r["id"] + "\n" for r in results if not r["messages"]))
@@ -90,130 +100,63 @@ def regenerate(
                 f.flush()
                 os.fsync(f.fileno())
             written += len(kept)
-            bar.update(len(chunk))
+            bar.set_postfix(calls=calls, refresh=False)
+            bar.update(len(results))
     return written
 
 
 class Dialogues:
-    """Walks the conversations of a chunk: the prompt of each one's next assistant turn, then its new reply."""
+    """The conversations in flight: the prompt of each one's next assistant turn, then its new reply."""
 
     def __init__(
-        self,
-        conversations: list[dict[str, Any]],
-        tokenizer: Any,
-        *,
-        max_new_tokens: int,
-        max_length: int,
-        chat_template_kwargs: dict[str, Any],
+        self, tokenizer: Any, *, max_new_tokens: int, max_length: int, chat_template_kwargs: dict[str, Any]
     ) -> None:
-        self.conversations, self.tokenizer = conversations, tokenizer
-        self.max_new_tokens, self.max_length = max_new_tokens, max_length
+        self.tokenizer, self.max_new_tokens, self.max_length = tokenizer, max_new_tokens, max_length
         self.chat_template_kwargs = chat_template_kwargs
-        self.new: list[list[dict[str, str]]] = [[] for _ in conversations]
-        self.cursor = [0] * len(conversations)
+        self.waiting: deque[tuple[int, list[int]]] = deque()  # (key, prompt ids), oldest first
+        self._conversations: dict[int, dict[str, Any]] = {}
+        self._new: dict[int, list[dict[str, str]]] = {}
+        self._cursor: dict[int, int] = {}
+        self._finished: list[int] = []
+        self._next_key = 0
 
-    def next_prompt(self, i: int) -> list[int] | None:
-        """Token ids of conversation i's next reply prompt (its regenerated turns so far); None once it is done."""
-        messages = self.conversations[i]["messages"]
-        while self.cursor[i] < len(messages) and messages[self.cursor[i]]["role"] != "assistant":
-            self.new[i].append(dict(messages[self.cursor[i]]))
-            self.cursor[i] += 1
-        if self.cursor[i] == len(messages) or not self.new[i]:  # finished, or a reply with nothing before it
-            self.cursor[i] = len(messages)
-            return None
-        text = self.tokenizer.apply_chat_template(
-            self.new[i], tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
-        )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) + self.max_new_tokens > self.max_length:
-            self.cursor[i] = len(messages)  # this turn does not fit: keep the turns before it
-            return None
-        return ids
+    def add(self, conversation: dict[str, Any]) -> None:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._conversations[key], self._new[key], self._cursor[key] = conversation, [], 0
+        self._queue_next(key)
 
-    def reply(self, i: int, text: str) -> None:
-        self.new[i].append({"role": "assistant", "content": text})
-        self.cursor[i] += 1
+    def reply(self, key: int, text: str) -> None:
+        self._new[key].append({"role": "assistant", "content": text})
+        self._cursor[key] += 1
+        self._queue_next(key)
 
-    def results(self) -> list[dict[str, Any]]:
+    def pop_finished(self) -> list[dict[str, Any]]:
+        """{"id", "messages"} of the conversations whose last turn is in; empty messages: nothing fit."""
         results = []
-        for conv, messages in zip(self.conversations, self.new, strict=True):
+        for key in self._finished:
+            conversation, messages = self._conversations.pop(key), self._new.pop(key)
+            del self._cursor[key]
             while messages and messages[-1]["role"] != "assistant":  # a trailing prompt without its reply
                 messages.pop()
-            results.append({"id": conv["id"], "messages": messages})
+            results.append({"id": conversation["id"], "messages": messages})
+        self._finished = []
         return results
 
-
-def regenerate_chunk(
-    target: TargetModel,
-    conversations: list[dict[str, Any]],
-    *,
-    batch_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    max_length: int,
-    chat_template_kwargs: dict[str, Any],
-    cache_implementation: str | None = None,
-    continuous_batching: bool = False,
-) -> list[dict[str, Any]]:
-    """Every assistant turn of the chunk, each after the turns regenerated before it."""
-    dialogues = Dialogues(
-        conversations,
-        target.tokenizer,
-        max_new_tokens=max_new_tokens,
-        max_length=max_length,
-        chat_template_kwargs=chat_template_kwargs,
-    )
-    if continuous_batching:
-        _continuous(target, dialogues, max_new_tokens, temperature)
-        return dialogues.results()
-    # Turn by turn across the chunk: every conversation's k-th reply is generated in the same batches.
-    prompts = {i: ids for i in range(len(conversations)) if (ids := dialogues.next_prompt(i)) is not None}
-    while prompts:
-        order = sorted(prompts, key=lambda i: len(prompts[i]))  # similar lengths share a batch: less left padding
-        for start in range(0, len(order), batch_size):
-            batch = order[start : start + batch_size]
-            replies = generate(
-                target, [prompts[i] for i in batch], max_new_tokens, temperature, cache_implementation, max_length
+    def _queue_next(self, key: int) -> None:
+        """Queue the prompt of the next reply (after the turns regenerated so far), or finish the conversation."""
+        messages, new = self._conversations[key]["messages"], self._new[key]
+        while self._cursor[key] < len(messages) and messages[self._cursor[key]]["role"] != "assistant":
+            new.append(dict(messages[self._cursor[key]]))
+            self._cursor[key] += 1
+        if self._cursor[key] < len(messages) and new:  # else finished, or a reply with nothing before it
+            text = self.tokenizer.apply_chat_template(
+                new, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
             )
-            for i, reply in zip(batch, replies, strict=True):
-                dialogues.reply(i, reply)
-        prompts = {i: ids for i in prompts if (ids := dialogues.next_prompt(i)) is not None}
-    return dialogues.results()
-
-
-@torch.no_grad()
-def _continuous(target: TargetModel, dialogues: Dialogues, max_new_tokens: int, temperature: float) -> None:
-    """transformers' continuous batching (paged KV cache; CUDA graphs on a GPU): a conversation's next turn is
-    queued the moment its previous reply finishes, so no batch waits for its longest reply."""
-    if not hasattr(target.model, "continuous_batching_context_manager"):
-        raise ValueError(
-            "continuous_batching=true needs transformers' continuous batching (tested with 5.17 and 5.24): upgrade "
-            "transformers or set continuous_batching=false"
-        )
-    tokenizer = target.tokenizer
-    config = generation_config(target, max_new_tokens, temperature)
-    with target.model.continuous_batching_context_manager(generation_config=config) as manager:
-
-        def submit(i: int) -> bool:
-            ids = dialogues.next_prompt(i)
-            if ids is not None:  # the id names the turn too: each request id must be new
-                manager.add_request(ids, request_id=f"{i}/{len(dialogues.new[i])}", max_new_tokens=max_new_tokens)
-            return ids is not None
-
-        live = sum(submit(i) for i in range(len(dialogues.conversations)))
-        while live:
-            out = manager.get_result(timeout=1.0)
-            if out is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching stopped before all replies were generated")
-                continue
-            if not out.is_finished():
-                continue
-            if out.error is not None:
-                raise RuntimeError(f"generating reply {out.request_id} (conversation/turn) failed: {out.error}")
-            i = int(out.request_id.split("/")[0])
-            dialogues.reply(i, tokenizer.decode(out.generated_tokens, skip_special_tokens=True))
-            live += submit(i) - 1
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) + self.max_new_tokens <= self.max_length:  # else keep the turns before this one
+                self.waiting.append((key, ids))
+                return
+        self._finished.append(key)
 
 
 def generation_config(target: TargetModel, max_new_tokens: int, temperature: float, **kwargs: Any) -> GenerationConfig:
@@ -278,11 +221,9 @@ def run(cfg: DictConfig) -> int:
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         max_length=cfg.max_length,
-        chunk_size=cfg.chunk_size,
         chat_template_kwargs=OmegaConf.to_container(cfg.chat_template_kwargs),
         regenerated_by=cfg.model.name,
         cache_implementation=cfg.get("cache_implementation"),
-        continuous_batching=cfg.get("continuous_batching", False),
     )
     print(f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name})")
     return n
