@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash2.attention import use_grouped_sdpa
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A small random Qwen3 for tests: real shapes and RoPE, no weights to ship.
@@ -55,6 +57,7 @@ class _StopForward(Exception):
 class TargetModel(nn.Module):
     def __init__(self, model: nn.Module, tokenizer: Any, target_layer_ids: list[int] | None = None):
         super().__init__()
+        use_grouped_sdpa(model)  # decode and verify steps read the KV cache once (dflash2/attention.py)
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.config = model.config

@@ -161,3 +161,17 @@ def test_ddp_small_splits_the_global_batch_and_compares_curves(tmp_path):
     smooth = lambda r: statistics.mean(r["loss"][-result["smooth"] :])  # noqa: E731
     assert result["final_smoothed_loss"] == pytest.approx([smooth(single), smooth(ddp)])
     assert result["smoothed_loss_gap_last"] == pytest.approx(abs(smooth(ddp) - smooth(single)) / smooth(single))
+
+
+# ---------------------------------------------------------------------------------------------- decode_step.py
+def test_decode_step_small_times_both_attentions(tmp_path):
+    decode_step = load("decode_step")
+    out = tmp_path / "decode_step.json"
+    result = decode_step.main(["--small", "--batch", "1", "3", "--warmup", "1", "--steps", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["timer"] == "cpu_wall_eager" and [r["batch"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert all(finite_positive(row[f"{a}_ms"]) for a in decode_step.ATTENTIONS), row
+        assert row["grouped_sdpa_tokens_per_s"] == pytest.approx(row["batch"] / row["grouped_sdpa_ms"] * 1e3)
+        assert row["speedup"] == pytest.approx(row["sdpa_ms"] / row["grouped_sdpa_ms"])
+        assert 0 <= row["logits_max_abs_diff"] <= 1e-4

@@ -305,3 +305,62 @@ def test_regenerate_fills_each_call_from_the_pool(tiny, tmp_path):
     assert len(pooled) == 2 and len(calls) == 4  # turn by turn, batch 2 would take 3 calls
     assert "Another one?" in pooled[1][0] and "Say hi." in pooled[1][1]
     assert outputs[2] == outputs[1] and len(outputs[2]["a"]) == 5
+
+
+def test_grouped_attention_matches_transformers_sdpa():
+    """Folding the query heads that share a key/value head into the query length is the same attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflash2.attention import grouped_sdpa
+
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    for t, mask_batch, dtype in [(1, 4, torch.bool), (5, 4, torch.bool), (7, 1, torch.float32)]:
+        q = torch.randn(4, t, 6, 8).transpose(1, 2)  # [b, h, t, d] as a view, the way attention layers pass it
+        k, v = torch.randn(4, 2, 19, 8), torch.randn(4, 2, 19, 8)
+        mask = torch.rand(mask_batch, 1, t, 19) > 0.3
+        mask[..., 0] = True  # no fully masked row
+        if dtype != torch.bool:
+            mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+        got, _ = grouped_sdpa(module, q, k, v, mask, scaling=0.3)
+        torch.testing.assert_close(got, expected)
+
+
+def test_target_decodes_with_grouped_attention(tiny, monkeypatch):
+    """The target runs `grouped_sdpa`: a padded prefill, a verify block and a decode step through a cache give the
+    logits of transformers' own SDPA, and every one of these short queries takes the folded path."""
+    import copy
+
+    from transformers import DynamicCache, StaticCache
+
+    assert tiny.model.config._attn_implementation == "grouped_sdpa"
+    plain = copy.deepcopy(tiny.model)
+    plain.set_attn_implementation("sdpa")
+    queries = []  # (heads, query length) of every SDPA kernel call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        queries.append(tuple(q.shape[1:3]))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    b, n = 3, 12
+    steps = [torch.randint(4, tiny.vocab_size, (b, t)) for t in (n, 5, 1)]
+    mask = torch.ones(b, n + 6, dtype=torch.long)
+    mask[0, : random.randint(1, n - 2)] = 0
+    heads, kv_heads = tiny.config.num_attention_heads, tiny.config.num_key_value_heads
+    for cache_class in (DynamicCache, StaticCache):
+        logits, kernels = {}, {}
+        for name, model in (("grouped", tiny.model), ("plain", plain)):
+            kwargs = {"max_cache_len": 32} if cache_class is StaticCache else {}
+            cache, seen, out = cache_class(config=model.config, **kwargs), 0, []
+            queries.clear()
+            for ids in steps:
+                seen += ids.shape[1]
+                with torch.no_grad():
+                    out.append(model(input_ids=ids, attention_mask=mask[:, :seen], past_key_values=cache).logits)
+            logits[name], kernels[name] = out, set(queries)  # transformers' own SDPA may fold decode steps too
+        for got, expected in zip(logits["grouped"], logits["plain"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert kernels["grouped"] == {(kv_heads, heads // kv_heads * t) for t in (n, 5, 1)}
