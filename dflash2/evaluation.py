@@ -262,8 +262,27 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     with open(run_dir / "samples.jsonl", "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    results["config"] = settings_of(cfg)
+    tmp = run_dir / "results.json.tmp"  # results.json appears whole or not at all: it marks the run as done
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, run_dir / "results.json")
     return results
+
+
+def settings_of(cfg: DictConfig) -> dict[str, Any]:
+    """What a run measured, for recognising it again: the resolved config without the W&B logging settings."""
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings.pop("wandb", None)
+    return settings
+
+
+def finished_run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
+    """The results already in `run_dir` for exactly these settings (a rerun of a killed sweep), else None."""
+    try:
+        results = json.loads((Path(run_dir) / "results.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return results if results.get("config") == settings_of(cfg) else None
 
 
 def _baseline(
@@ -367,6 +386,13 @@ def log_wandb(cfg: DictConfig, results: dict[str, Any], run_dir: str | Path) -> 
 
 
 def main(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """evaluate.py: one run, or one run of a sweep. Rerunning a sweep into the same `hydra.sweep.dir` keeps the runs
+    that already finished with the same settings, so a killed sweep resumes instead of starting over."""
+    results = finished_run(cfg, run_dir)
+    if results is not None:
+        print(format_table(results))
+        print(f"kept {Path(run_dir) / 'results.json'}: measured before with these settings (delete it to re-measure)")
+        return results
     results = evaluate(cfg, run_dir)
     print(format_table(results))
     print(f"wrote {Path(run_dir) / 'results.json'} and samples.jsonl")

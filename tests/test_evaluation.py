@@ -83,6 +83,25 @@ def test_results_agree_with_samples(tiny, tmp_path):
     assert results["tokens_per_s"] > 0
 
 
+def test_a_rerun_keeps_finished_runs_of_the_same_settings(tiny, tmp_path, monkeypatch):
+    """A killed sweep resumes: a run folder whose results.json has the same settings is kept, anything else runs."""
+    from dflash2 import evaluation
+
+    draft = export_draft(tiny, tmp_path / "draft")
+    overrides = [f"draft.path={draft}", "bench.limit=2", "max_new_tokens=6"]
+    first = evaluation.main(config(*overrides), tmp_path / "run")
+    assert first["config"]["bench"]["limit"] == 2 and "wandb" not in first["config"]
+    calls = []
+    real = evaluation.generate_turns
+    monkeypatch.setattr(evaluation, "generate_turns", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert evaluation.main(config(*overrides, "wandb.project=elsewhere"), tmp_path / "run") == first
+    assert calls == []  # nothing decoded again
+    again = evaluation.main(config(*overrides, "temperature=1"), tmp_path / "run")
+    assert calls == [1] and again["temperature"] == 1 and read_run(tmp_path / "run")[0] == again
+    (tmp_path / "run" / "results.json").write_text('{"tau": 1.')  # a torn file does not count as finished
+    assert evaluation.finished_run(config(*overrides, "temperature=1"), tmp_path / "run") is None
+
+
 def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
     prompts = [{"id": "mt/1", "turns": ["Name a fruit.", "And a vegetable?"]}, {"id": "mt/2", "turns": ["Hi."]}]
     monkeypatch.setattr("dflash2.bench.load_prompts", lambda name, limit=None: prompts)
