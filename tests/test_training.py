@@ -324,6 +324,17 @@ def test_checkpoint_layout_and_resume(chats, tmp_path):
     assert probe.lr == ckpt["lr_schedulers"][0]["_last_lr"][0]
 
 
+def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_path):
+    """With the learning rate at 0, val/tau_sim never improves after the first validation: the best checkpoint stays
+    at step 2 while last.ckpt (what a resume and the exporter read) follows every validation, to step 4."""
+    run = tmp_path / "run"
+    overrides = ["trainer.max_steps=4", "trainer.max_epochs=5", "trainer.val_check_interval=2"]
+    result = train(config(chats, run, *overrides, "trainer.check_val_every_n_epoch=null", "optim.lr=0"))
+    assert result["ckpt_path"] == str(run / "checkpoints" / "last.ckpt") and result["global_step"] == 4
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+
+
 def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
     """trainer=gpu's bf16-mixed with the recipe's clipping: Lightning refuses a fused AdamW there, so none is used."""
     cfg = config(chats, tmp_path / "run", "trainer.max_steps=2", "trainer.precision=bf16-mixed", "validate_first=false")

@@ -201,10 +201,11 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     if logger and hasattr(logger.experiment, "finish"):  # W&B: close the run so a later train() starts its own
         logger.experiment.finish()
 
-    ckpt = next((c for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")), None)
+    # The checkpoint without a monitor keeps the latest state (configs/callbacks/default.yaml).
+    latest = [c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor is None and c.best_model_path]
     result = {
         "run_dir": str(run_dir),
-        "ckpt_path": getattr(ckpt, "last_model_path", None),
+        "ckpt_path": latest[0] if latest else None,
         "start": start,
         "end": end,
         "global_step": trainer.global_step,
