@@ -324,6 +324,36 @@ def test_checkpoint_layout_and_resume(chats, tmp_path):
     assert probe.lr == ckpt["lr_schedulers"][0]["_last_lr"][0]
 
 
+class Batches(Callback):
+    """The token rows of every training batch, in order; with `kill_at`, the run dies when that batch arrives."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        self.rows: list[list[list[int]]] = []
+        self.kill_at = kill_at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if len(self.rows) + 1 == self.kill_at:
+            raise RuntimeError("killed")
+        self.rows.append(batch["input_ids"].tolist())
+
+
+def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path):
+    """Killed in its 5th batch of an 8-batch epoch, after the step-2 and step-4 validations, a run resumed from
+    last.ckpt trains on batches 5 and 6 of the same order as an uninterrupted run, not on the epoch's start."""
+    common = ["data.batch_size=2", "trainer.max_epochs=5", "validate_first=false", "trainer.max_steps=6"]
+    common += ["trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
+    whole, killed, resumed = Batches(), Batches(kill_at=5), Batches()
+    train(config(chats, tmp_path / "whole", *common), callbacks=[whole])
+    run = tmp_path / "killed"
+    with pytest.raises(RuntimeError, match="killed"):
+        train(config(chats, run, *common), callbacks=[killed])
+    last = run / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+    train(config(chats, run, *common, f"ckpt_path={last}"), callbacks=[resumed])
+    assert len(whole.rows) == 6 and killed.rows == whole.rows[:4]
+    assert resumed.rows == whole.rows[4:]
+
+
 def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_path):
     """With the learning rate at 0, val/tau_sim never improves after the first validation: the best checkpoint stays
     at step 2 while last.ckpt (what a resume and the exporter read) follows every validation, to step 4."""

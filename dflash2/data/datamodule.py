@@ -10,7 +10,8 @@ import datasets
 import lightning as L
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
 from dflash2.data.chat import _same_file, load_conversations, sharegpt_path, tokenize_conversations
@@ -115,6 +116,8 @@ class DFlashDataModule(L.LightningDataModule):
         self._prepared: datasets.Dataset | None = None
         self.train_rows: datasets.Dataset | None = None
         self.val_rows: datasets.Dataset | None = None
+        self._train_loader: StatefulDataLoader | None = None
+        self._train_loader_state: dict[str, Any] | None = None
 
     def _rows(self) -> datasets.Dataset:
         h = self.hparams
@@ -166,10 +169,10 @@ class DFlashDataModule(L.LightningDataModule):
         self.train_rows, self.val_rows = split["train"], split["test"]
         log.info("%d training and %d validation chats", len(self.train_rows), len(self.val_rows))
 
-    def _loader(self, rows: datasets.Dataset, train: bool) -> DataLoader:
+    def _loader(self, rows: datasets.Dataset, train: bool) -> StatefulDataLoader:
         h = self.hparams
         data = AnchoredRows(rows, h.max_anchors, h.anchor_seq_len, seed=None if train else h.seed)
-        return DataLoader(
+        return StatefulDataLoader(
             data,
             batch_size=h.batch_size,
             shuffle=train,
@@ -178,8 +181,22 @@ class DFlashDataModule(L.LightningDataModule):
             persistent_workers=h.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_rows, train=True)
+    def train_dataloader(self) -> StatefulDataLoader:
+        self._train_loader = self._loader(self.train_rows, train=True)
+        if self._train_loader_state is not None:
+            self._train_loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        return self._train_loader
 
-    def val_dataloader(self) -> DataLoader:
+    # A checkpoint holds where the training epoch stands (its order and the next batch), so a run resumed mid-epoch
+    # continues with the next batch instead of replaying the epoch from its start. Lightning's fit loop keeps a copy
+    # too, but skips it when the loader was built before the restore, as `estimated_stepping_batches` (the learning
+    # rate schedule) makes it; the datamodule's state is restored before that.
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self._train_loader is None else {"train_loader": self._train_loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._train_loader_state = state_dict.get("train_loader")
+
+    def val_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.val_rows, train=False)
