@@ -1,14 +1,14 @@
 """Grouped-query attention that reads each key/value head once, for the target's decode and verify steps.
 
-With a mask (left padding, a static cache longer than the context), transformers' SDPA path copies every
-key/value head once per query head that shares it (`repeat_kv`) before calling the kernel. In a decode step that
-copy is most of the memory traffic: SmolLM2 has 9 query heads on 3 key/value heads, so the whole KV cache is
-written 3x and read 4x per step. For a short query (one token, or one verify block) the query heads that share a
-key/value head can instead be folded into the query length: head `kv * groups + j`, position `i` becomes row
-`j * t + i` of key/value head `kv`. The attention is the same; the cache is read once.
+With a mask (left padding, a static cache longer than the context), transformers' SDPA path copies every key/value
+head once per query head that shares it (`repeat_kv`) before calling the kernel. SmolLM2 has 9 query heads on 3
+key/value heads, so a decode step writes 3 copies of the whole KV cache and reads 4 instead of 1. For a short query
+(one token, or one verify block) the query heads that share a key/value head can instead be folded into the query
+length: head `kv * groups + j`, position `i` becomes row `j * t + i` of key/value head `kv`. The attention is the
+same; the cache is read once.
 
-`TargetModel` switches an SDPA target to this implementation; long queries (training, prefill) go to
-transformers' own SDPA unchanged.
+`TargetModel.load` uses it unless `model.attn_implementation` names another; long queries (training, prefill)
+go to transformers' own SDPA unchanged. `benchmarks/decode_step.py` times a decode step both ways.
 """
 
 from __future__ import annotations

@@ -36,10 +36,19 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 @functools.lru_cache(maxsize=1)  # the runs of a sweep (one process) share one target
-def load_target(path: str | None, gguf_file: str | None, dtype: str, layer_ids: tuple[int, ...], device: str) -> Any:
+def load_target(
+    path: str | None, gguf_file: str | None, dtype: str, layer_ids: tuple[int, ...], device: str, attn: str | None
+) -> Any:
     from dflash2.target import TargetModel
 
-    return TargetModel.load(path, gguf_file=gguf_file, target_layer_ids=list(layer_ids), dtype=dtype, device=device)
+    return TargetModel.load(
+        path,
+        gguf_file=gguf_file,
+        target_layer_ids=list(layer_ids),
+        dtype=dtype,
+        device=device,
+        attn_implementation=attn,
+    )
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
@@ -53,6 +62,7 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftM
         cfg.model.get("dtype") or "auto",
         tuple(saved.target_layer_ids),
         str(device),
+        cfg.model.get("attn_implementation"),
     )
     identity = target_identity(cfg.model.name, target.config, target.tokenizer)
     check_manifest(saved.extra.get(MANIFEST_KEY), identity)

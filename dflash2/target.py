@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash2.attention import NAME as GROUPED_SDPA
 from dflash2.attention import use_grouped_sdpa
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +58,6 @@ class _StopForward(Exception):
 class TargetModel(nn.Module):
     def __init__(self, model: nn.Module, tokenizer: Any, target_layer_ids: list[int] | None = None):
         super().__init__()
-        use_grouped_sdpa(model)  # decode and verify steps read the KV cache once (dflash2/attention.py)
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.config = model.config
@@ -108,8 +108,12 @@ class TargetModel(nn.Module):
         target_layer_ids: list[int] | None = None,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
+        attn_implementation: str | None = None,
     ) -> TargetModel:
-        """Load by hub id, local folder, GGUF file, "smollm2" / None (the embedded default) or "tiny" (tests)."""
+        """Load by hub id, local folder, GGUF file, "smollm2" / None (the embedded default) or "tiny" (tests).
+
+        `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
+        (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if path == "tiny":
@@ -126,6 +130,10 @@ class TargetModel(nn.Module):
                 path, kwargs = str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
+        if attn_implementation in (None, GROUPED_SDPA):
+            use_grouped_sdpa(model)
+        elif attn_implementation != model.config._attn_implementation:
+            model.set_attn_implementation(attn_implementation)
         return cls(model.to(device), tokenizer, target_layer_ids)
 
     @classmethod
@@ -137,6 +145,7 @@ class TargetModel(nn.Module):
             target_layer_ids=list(model_cfg.get("target_layer_ids") or []),
             dtype=model_cfg.get("dtype") or "auto",
             device=device,
+            attn_implementation=model_cfg.get("attn_implementation"),
         )
 
     # ------------------------------------------------------------------ forward

@@ -151,7 +151,8 @@ def test_mask_token_is_special_and_absent_from_chat(tiny):
 
 
 def test_model_configs_share_keys():
-    keys = {"name", "path", "gguf_file", "dtype", "block_size", "num_draft_layers", "mask_token_id", "target_layer_ids"}
+    keys = {"name", "path", "gguf_file", "dtype", "attn_implementation", "block_size", "num_draft_layers"}
+    keys |= {"mask_token_id", "target_layer_ids"}
     for file in (ROOT / "configs" / "model").glob("*.yaml"):
         assert set(yaml.safe_load(file.read_text())) == keys, file.name
 
@@ -335,6 +336,7 @@ def test_target_decodes_with_grouped_attention(tiny, monkeypatch):
     from transformers import DynamicCache, StaticCache
 
     assert tiny.model.config._attn_implementation == "grouped_sdpa"
+    assert TargetModel.load("tiny", attn_implementation="eager").model.config._attn_implementation == "eager"
     plain = copy.deepcopy(tiny.model)
     plain.set_attn_implementation("sdpa")
     queries = []  # (heads, query length) of every SDPA kernel call
