@@ -36,19 +36,11 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 @functools.lru_cache(maxsize=1)  # the runs of a sweep (one process) share one target
-def load_target(
-    path: str | None, gguf_file: str | None, dtype: str, layer_ids: tuple[int, ...], device: str, attn: str | None
-) -> Any:
+def load_target(model_json: str, device: str) -> Any:
+    """TargetModel.from_config on the `model` group, given as JSON so that the cache can key on it."""
     from dflash2.target import TargetModel
 
-    return TargetModel.load(
-        path,
-        gguf_file=gguf_file,
-        target_layer_ids=list(layer_ids),
-        dtype=dtype,
-        device=device,
-        attn_implementation=attn,
-    )
+    return TargetModel.from_config(json.loads(model_json), device=device)
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
@@ -56,14 +48,8 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftM
     draft_dir = Path(cfg.draft.path).expanduser()
     saved = DFlash2Config.from_pretrained(draft_dir)  # cheap: fail on a wrong folder before loading a target
     # The drafter decides which target layers it reads, whatever the model group suggests for training.
-    target = load_target(
-        cfg.model.get("path"),
-        cfg.model.get("gguf_file"),
-        cfg.model.get("dtype") or "auto",
-        tuple(saved.target_layer_ids),
-        str(device),
-        cfg.model.get("attn_implementation"),
-    )
+    model = OmegaConf.to_container(cfg.model, resolve=True) | {"target_layer_ids": list(saved.target_layer_ids)}
+    target = load_target(json.dumps(model, sort_keys=True), str(device))
     identity = target_identity(cfg.model.name, target.config, target.tokenizer)
     check_manifest(saved.extra.get(MANIFEST_KEY), identity)
     if saved.hidden_size != target.hidden_size or saved.vocab_size > target.vocab_size:
