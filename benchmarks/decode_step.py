@@ -8,7 +8,9 @@ bf16, a StaticCache of --cache-len positions of which --context are filled (the 
 mask), one new token per row. On a GPU the forward is compiled the way transformers' generate compiles it
 (mode="reduce-overhead", i.e. replayed as a CUDA graph) and timed with CUDA events; each figure is the median of
 --steps steps after --warmup. Both attentions run in the same process on the same cache, and their logits are
-compared first: the script stops if they disagree.
+checked first against the same step run in float32 with transformers' SDPA: the script stops if grouped attention
+strays from that reference by more than twice what transformers' own bf16 SDPA does (bf16 alone moves the logits of
+30 layers by a few tenths, so a fixed bound would measure the dtype, not the attention).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ATTENTIONS = ("sdpa", "grouped_sdpa")
 
 
-def load_target(small: bool, device: str) -> TargetModel:
+def load_target(small: bool, device: str, dtype: str = "bfloat16") -> TargetModel:
     if small:
         return TargetModel.load("tiny", device=device)
     cfg = yaml.safe_load((ROOT / "configs" / "model" / "smollm2.yaml").read_text())
-    return TargetModel.from_config(cfg | {"dtype": "bfloat16"}, device=device)
+    return TargetModel.from_config(cfg | {"dtype": dtype}, device=device)
 
 
 def prefill(target: TargetModel, tokens: torch.Tensor, mask: torch.Tensor, cache_len: int) -> StaticCache:
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.cache_len, args.context = min(args.cache_len, 64), min(args.context, 24)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(args.small, device)
+    reference = load_target(args.small, device, "float32")
+    reference.model.set_attn_implementation("sdpa")
     if args.cache_len < args.context + 2 + args.warmup + args.steps:
         raise SystemExit("--cache-len must hold --context plus every decoded step")
     rows = []
@@ -115,24 +119,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mask = torch.ones(batch, args.cache_len, dtype=torch.long, device=device)
         mask[0, : args.context // 2] = 0  # left padding on one row, as in a batch of prompts
         row: dict[str, Any] = {"batch": batch}
-        logits = {}
+        exact = decode(reference.model, token, mask, prefill(reference, tokens, mask, args.cache_len), args.context)
         for attention in ATTENTIONS:
             target.model.set_attn_implementation(attention)
             cache = prefill(target, tokens, mask, args.cache_len)
             step = torch.compile(target.model, mode="reduce-overhead") if device == "cuda" else target.model
-            logits[attention] = decode(step, token, mask, cache, args.context)  # compared below; compiles
+            error = (decode(step, token, mask, cache, args.context) - exact).abs().max().item()  # also compiles
+            row[f"{attention}_max_abs_error"] = error
             ms = median_ms(step, token, mask, cache, args.context + 1, args.warmup, args.steps)
             row[f"{attention}_ms"] = ms
             row[f"{attention}_tokens_per_s"] = batch / row[f"{attention}_ms"] * 1e3
             torch._dynamo.reset()  # the next attention compiles afresh
-        row["logits_max_abs_diff"] = (logits["sdpa"] - logits["grouped_sdpa"]).abs().max().item()
-        if not row["logits_max_abs_diff"] <= (0.25 if device == "cuda" else 1e-4):  # bf16 on a GPU
-            raise SystemExit(f"batch {batch}: the attentions disagree by {row['logits_max_abs_diff']} in the logits")
+        if not row["grouped_sdpa_max_abs_error"] <= 2 * row["sdpa_max_abs_error"] + 1e-4:
+            raise SystemExit(
+                f"batch {batch}: grouped attention's logits are {row['grouped_sdpa_max_abs_error']:.4f} from the "
+                f"float32 reference, transformers' SDPA's {row['sdpa_max_abs_error']:.4f}"
+            )
         row["speedup"] = row["sdpa_ms"] / row["grouped_sdpa_ms"]
         rows.append(row)
         print(
             f"batch {batch:4d}: sdpa {row['sdpa_ms']:.3f} ms, grouped {row['grouped_sdpa_ms']:.3f} ms, "
-            f"x{row['speedup']:.2f}, {row['grouped_sdpa_tokens_per_s']:.0f} tokens/s",
+            f"x{row['speedup']:.2f}, {row['grouped_sdpa_tokens_per_s']:.0f} tokens/s; logits off the float32 "
+            f"reference by {row['sdpa_max_abs_error']:.3f} and {row['grouped_sdpa_max_abs_error']:.3f}",
             flush=True,
         )
     result = {

@@ -137,6 +137,21 @@ def test_formats_and_dropped_conversations(tmp_path):
     assert load_conversations(str(as_list), limit=1)["id"] == ["openai"]
 
 
+def test_jsonl_replies_may_hold_unicode_line_separators(tmp_path):
+    # json.dumps(ensure_ascii=False), as regenerate writes, leaves these raw inside a string; only "\n" ends a record.
+    separators = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"]
+    rng = random.Random()
+    records = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": words(rng, 3)}, {"role": "assistant", "content": r}]}
+        for i, r in enumerate(words(rng, 2) + sep + words(rng, 2) for sep in separators)
+    ]
+    path = tmp_path / "regen.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
+    data = load_conversations(str(path))
+    assert data["id"] == [r["id"] for r in records]
+    assert [m[1]["content"] for m in data["messages"]] == [r["messages"][1]["content"] for r in records]
+
+
 @pytest.mark.parametrize(
     "turn, problem",
     [

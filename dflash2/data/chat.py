@@ -91,7 +91,8 @@ def _iter_json(path: str, tolerate_truncation: bool):
             if text.startswith(",", i):
                 i += 1
     else:
-        for index, line in enumerate(text.splitlines()):
+        # split on "\n" only: splitlines also cuts at U+2028, U+0085 and the like, which JSON strings hold raw.
+        for index, line in enumerate(text.split("\n")):
             if line.strip():
                 try:
                     yield index, json.loads(line)

@@ -38,7 +38,7 @@ def completed_ids(output: Path) -> set[str]:
             with output.open("r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
             data = data[: data.rfind(b"\n") + 1]
-        done |= {json.loads(line)["id"] for line in data.splitlines() if line.strip()}
+        done |= {json.loads(line)["id"] for line in data.split(b"\n") if line.strip()}
     skipped = output.with_name(output.name + ".skipped")
     if skipped.exists():
         done |= {line for line in skipped.read_text().splitlines() if line}
