@@ -112,7 +112,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reference.model.set_attn_implementation("sdpa")
     if args.cache_len < args.context + 2 + args.warmup + args.steps:
         raise SystemExit("--cache-len must hold --context plus every decoded step")
-    rows = []
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "target": "tiny" if args.small else "smollm2 bf16",
+        "timer": "cuda_events_reduce_overhead" if device == "cuda" else "cpu_wall_eager",
+        "cache_len": args.cache_len,
+        "context": args.context,
+        "rows": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for batch in args.batch:
         tokens = torch.randint(4, target.vocab_size, (batch, args.context), device=device)
         token = torch.randint(4, target.vocab_size, (batch, 1), device=device)
@@ -136,26 +146,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"float32 reference, transformers' SDPA's {row['sdpa_max_abs_error']:.4f}"
             )
         row["speedup"] = row["sdpa_ms"] / row["grouped_sdpa_ms"]
-        rows.append(row)
+        result["rows"].append(row)
+        # after every batch size, so a run cut off by a time limit keeps the rows it finished
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(
             f"batch {batch:4d}: sdpa {row['sdpa_ms']:.3f} ms, grouped {row['grouped_sdpa_ms']:.3f} ms, "
             f"x{row['speedup']:.2f}, {row['grouped_sdpa_tokens_per_s']:.0f} tokens/s; logits off the float32 "
             f"reference by {row['sdpa_max_abs_error']:.3f} and {row['grouped_sdpa_max_abs_error']:.3f}",
             flush=True,
         )
-    result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "target": "tiny" if args.small else "smollm2 bf16",
-        "timer": "cuda_events_reduce_overhead" if device == "cuda" else "cpu_wall_eager",
-        "cache_len": args.cache_len,
-        "context": args.context,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
     return result
 
 
