@@ -183,3 +183,16 @@ def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatc
     cfg = config(chats, tmp_path, f"data.path={path if path == '???' else tmp_path / path}")
     with pytest.raises((ValueError, FileNotFoundError), match=error):
         train(cfg)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))
+def test_draft_dflash_is_plain_dflash_under_every_experiment(experiment):
+    # An experiment restating a head size would give the `draft=dflash` baseline a selector or a conv.
+    from hydra import compose, initialize_config_dir
+
+    heads = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        dflash = compose("train", overrides=[f"experiment={experiment}", "draft=dflash"]).draft
+        dflash2 = compose("train", overrides=[f"experiment={experiment}", "draft=dflash2"]).draft
+    assert {h: dflash[h] for h in heads} == dict.fromkeys(heads, 0)
+    assert all(dflash2[h] > 0 for h in heads), dflash2
