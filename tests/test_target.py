@@ -263,6 +263,26 @@ def test_regenerate_config_on_tiny(tmp_path):
     assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a"]
 
 
+def test_regenerate_shards_split_the_input(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from dflash2.data.regenerate import run
+
+    write_sharegpt(tmp_path / "chats.json")
+    ids = []
+    for index in range(2):
+        overrides = ["model=tiny", f"input={tmp_path / 'chats.json'}", "max_new_tokens=2", "num_shards=2"]
+        overrides += [f"shard_index={index}", f"output={tmp_path / f'out.{index}.jsonl'}"]
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            run(compose("regenerate", overrides=overrides))
+        ids.append([json.loads(line)["id"] for line in (tmp_path / f"out.{index}.jsonl").read_text().splitlines()])
+    assert ids[0] and ids[1] and sorted(ids[0] + ids[1]) == ["a", "b"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("regenerate", overrides=["model=tiny", "num_shards=2", "shard_index=2"])
+    with pytest.raises(SystemExit, match="shard_index=2"):
+        run(cfg)
+
+
 def test_generate_without_a_pad_token(tiny):
     """Some GGUF tokenizers load without a pad token; batched left-padded generation must still work, unchanged."""
     from dflash2.data.regenerate import generate

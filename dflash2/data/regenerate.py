@@ -206,6 +206,8 @@ def generate(
 
 def run(cfg: DictConfig) -> int:
     """The CLI on a composed `configs/regenerate.yaml`; returns how many conversations were written."""
+    if not 0 <= cfg.shard_index < cfg.num_shards:
+        raise SystemExit(f"shard_index={cfg.shard_index} must be in [0, num_shards={cfg.num_shards}); pass 0 .. n-1")
     torch.manual_seed(cfg.seed)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -213,6 +215,8 @@ def run(cfg: DictConfig) -> int:
     except TargetNotFoundError as e:
         raise SystemExit(str(e)) from None  # one sentence, no traceback
     conversations = load_conversations(cfg.input, limit=cfg.limit)  # input null = the packaged ShareGPT
+    if cfg.num_shards > 1:
+        conversations = conversations.shard(cfg.num_shards, cfg.shard_index)
     n = regenerate(
         target,
         conversations,
