@@ -9,12 +9,12 @@
 # Env: STEPS (optimizer steps per drafter, 600), VAL (validate every VAL steps, 300), LIMIT (ShareGPT conversations
 # to regenerate, 2800: STEPS x 4 rows plus the 256 held out for validation, with room for skips), CHECK_ONLY=1
 # (tiny sizes for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after that stage: regenerate, train, warm,
-# t0b16, rest). Each finished stage leaves WORK_DIR/<stage>.done, so a rerun
-# skips it; the regeneration and the sweeps resume within a stage too. With 2 GPUs the stages pair up: the two
-# regeneration shards, DFlash beside joint DFlash2, then the warm start beside the first evaluations.
+# t0b16, rest). Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration and the
+# sweeps resume within a stage too. With 2 GPUs the stages pair up: the two regeneration shards, DFlash beside
+# joint DFlash2, then the warm start beside the first evaluations.
 # To start from the set regenerated on 2026-12-01 (BENCHMARKS.md) instead of regenerating it:
-#   mkdir -p WORK_DIR/regen && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated.jsonl.gz \
-#     > WORK_DIR/regen/smollm2.0.jsonl          # regeneration then resumes past those 2,759 conversations
+#   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated.jsonl.gz \
+#     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=$(realpath -m "${1:?usage: bash benchmarks/acceptance.sh WORK_DIR}")

@@ -4,9 +4,10 @@ One verify step per batch: the drafter proposes a block `[anchor, d_1 .. d_{B-1}
 target scores the whole block in one forward pass, and every request keeps `accepted + 1` tokens.
 
 Ragged acceptance without ragged caches: every step appends all B block slots to the target's KV cache and to
-the drafter's context cache for every request, then masks the rejected ones. `key_mask` ([b, slots], 1 = a
-committed token) is the target's 2D attention mask with holes, and each request's positions count only its
-committed tokens, so RoPE positions are exactly those of plain decoding. Prompts are right-padded: a padded query
+the drafter's context cache for every request, then masks the rejected ones, and `compact` drops them from both
+caches once they outnumber the committed slots. `key_mask` ([b, slots], 1 = a committed token) is the target's
+2D attention mask with holes, and each request's positions count only its committed tokens, so RoPE positions
+are exactly those of plain decoding. Prompts are right-padded: a padded query
 row then still sees its prompt, so no attention row is ever empty (an empty row makes NaN that leaks through
 masked keys).
 
@@ -207,6 +208,41 @@ def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return torch.where(kept[..., None], features, 0)
 
 
+def compact(rows: Rows, cache: Any, draft_cache: DraftCache) -> Rows:
+    """Drop the masked slots (rejected proposals, prompt padding) from both caches once they outnumber the kept
+    ones; each row keeps its committed slots in order, left-aligned, and shorter rows are padded with masked slots.
+
+    Without this, every verify step leaves B - 1 - accepted dead slots in both caches, so at low acceptance the
+    caches grow nearly B times faster than the text and each step reads them whole. Attention gives a masked key
+    exactly zero weight, so dropping it changes nothing. Only the slots already in both caches are moved: the
+    last c target slots, whose features the drafter has not taken in yet, stay where they are."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        return rows  # sliding-window or static caches keep their own bookkeeping: leave them as they are
+    settled = rows.key_mask.shape[1] - rows.features.shape[1]
+    if settled != draft_cache.length:
+        raise RuntimeError(f"the drafter's cache holds {draft_cache.length} slots where {settled} were expected")
+    kept = rows.key_mask[:, :settled].bool()
+    width = int(kept.sum(-1).max()) if settled else 0
+    if settled - width <= width:
+        return rows
+    # A stable sort on "masked" puts each row's kept slots first, in their order.
+    order = torch.sort((~kept).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
+
+    def take(x: torch.Tensor, dim: int) -> torch.Tensor:  # x: [b, ..., slots (at dim), ...]
+        shape = [1] * x.dim()
+        shape[0], shape[dim] = order.shape
+        index = order.view(shape).expand(*x.shape[:dim], width, *x.shape[dim + 1 :])
+        head, tail = x.narrow(dim, 0, settled), x.narrow(dim, settled, x.shape[dim] - settled)
+        return torch.cat([head.gather(dim, index), tail], dim)
+
+    for layer in layers:
+        layer.keys, layer.values = take(layer.keys, 2), take(layer.values, 2)
+    draft_cache.keys = [None if k is None else take(k, 2) for k in draft_cache.keys]
+    draft_cache.values = [None if v is None else take(v, 2) for v in draft_cache.values]
+    return dataclasses.replace(rows, key_mask=take(rows.key_mask, 1), positions=take(rows.positions, 1))
+
+
 def select_caches(keep: torch.Tensor, cache: Any, draft_cache: DraftCache) -> None:
     cache.batch_select_indices(keep)
     draft_cache.keys = [None if k is None else k[keep] for k in draft_cache.keys]
@@ -284,6 +320,7 @@ def decode_batch(
                 return
             rows = rows.select(keep)
             select_caches(keep, cache, draft_cache)
+        rows = compact(rows, cache, draft_cache)
 
         # Draft: the new context into the drafter's cache, then one forward over [anchor, MASK, ...].
         block_positions = rows.lengths[:, None] + offsets

@@ -50,9 +50,9 @@ class Oracle:
     after a fully accepted block. A request is recognised by its anchor token at the anchor's position. It also
     records what the drafter computed for each request, to be checked against a fresh, uncached forward."""
 
-    def __init__(self, prompts, reference, vocab, wrong, seed):
+    def __init__(self, prompts, reference, vocab, wrong, seed, reach=None):
         self.sequences = [p + r.output_ids for p, r in zip(prompts, reference, strict=True)]
-        self.vocab, self.wrong = vocab, wrong
+        self.vocab, self.wrong, self.reach = vocab, wrong, reach  # reach: corrupt only one of the first slots
         self.g = torch.Generator().manual_seed(seed)
         self.anchor_positions = None
         self.seen = []  # (sequence, anchor position, draft hidden of the proposing slots)
@@ -81,7 +81,7 @@ class Oracle:
                 # later ones lose one random slot with probability `wrong`.
                 first = all(seq is not match[0] for seq, _, _ in self.seen[:-1])
                 if truth and not first and torch.rand((), generator=self.g) < self.wrong:
-                    slot = int(torch.randint(len(truth), (), generator=self.g))
+                    slot = int(torch.randint(min(len(truth), self.reach or len(truth)), (), generator=self.g))
                     tokens[row, slot] = int(torch.randint(4, self.vocab, (), generator=self.g))
             return tokens, q
 
@@ -143,6 +143,38 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(
     if oracle:  # the test itself must reach the long-accept and bonus paths
         assert max(lengths) == block_size and sum(lengths) / len(lengths) > 2
         assert_drafts_match_fresh_forwards(tiny, draft, forced.seen, block_size)
+
+
+def test_compacted_caches_decode_exactly_and_stay_small(tiny, greedy_case, monkeypatch):
+    """Proposals that are mostly rejected leave most slots masked: compaction must drop them from both caches
+    (the widths shrink) without changing a token or what the drafter computes."""
+    prompts, free, stop, reference = greedy_case
+    seed = torch.seed() % 10_000
+    draft = make_draft(tiny, "dflash2", 8, seed)
+    forced = Oracle(prompts, free, tiny.vocab_size, wrong=1.0, seed=seed, reach=2)
+    forced.watch(draft)
+    monkeypatch.setattr(spec, "propose", forced.wrap(spec.propose))
+    widths = []
+
+    def recording(rows, cache, draft_cache):
+        before = (rows.key_mask.shape[1], cache.get_seq_length(), draft_cache.length)
+        rows = compact(rows, cache, draft_cache)
+        after = (rows.key_mask.shape[1], cache.get_seq_length(), draft_cache.length)
+        widths.append((before, after, rows.key_mask[:, : draft_cache.length].sum(-1).tolist()))
+        return rows
+
+    compact = spec.compact
+    monkeypatch.setattr(spec, "compact", recording)
+    out = spec.speculative_generate(tiny, draft, prompts, 8, MAX_NEW, stop_ids=[stop], batch_size=4)
+    assert [g.output_ids for g in out] == reference
+    shrunk = [(b, a) for b, a, _ in widths if a != b]
+    assert shrunk, "no step compacted the caches"
+    for (mask_b, target_b, draft_b), (mask_a, target_a, draft_a) in shrunk:
+        assert mask_a == target_a < target_b == mask_b and draft_a < draft_b
+        assert mask_a - draft_a == mask_b - draft_b  # the slots the drafter has not taken in yet stay put
+    for _, (_, _, settled), kept in widths:  # after a compaction the widest row has no holes
+        assert max(kept) <= settled <= 2 * max(kept) or settled == 0
+    assert_drafts_match_fresh_forwards(tiny, draft, forced.seen, 8)
 
 
 def assert_drafts_match_fresh_forwards(target, draft, seen, block_size):
