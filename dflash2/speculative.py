@@ -7,9 +7,8 @@ Ragged acceptance without ragged caches: every step appends all B block slots to
 the drafter's context cache for every request, then masks the rejected ones, and `compact` drops them from both
 caches once they outnumber the committed slots. `key_mask` ([b, slots], 1 = a committed token) is the target's
 2D attention mask with holes, and each request's positions count only its committed tokens, so RoPE positions
-are exactly those of plain decoding. Prompts are right-padded: a padded query
-row then still sees its prompt, so no attention row is ever empty (an empty row makes NaN that leaks through
-masked keys).
+are exactly those of plain decoding. Prompts are right-padded: a padded query row then still sees its prompt,
+so no attention row is ever empty (an empty row makes NaN that leaks through masked keys).
 
 All randomness comes from one seeded `torch.Generator`, so a run is reproducible.
 """
@@ -217,6 +216,7 @@ def compact(rows: Rows, cache: Any, draft_cache: DraftCache) -> Rows:
     exactly zero weight, so dropping it changes nothing. Only the slots already in both caches are moved: the
     last c target slots, whose features the drafter has not taken in yet, stay where they are."""
     layers = getattr(cache, "layers", None)
+    # By name, exactly: transformers' sliding-window layers subclass DynamicLayer and count what they drop.
     if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
         return rows  # sliding-window or static caches keep their own bookkeeping: leave them as they are
     settled = rows.key_mask.shape[1] - rows.features.shape[1]
