@@ -72,7 +72,7 @@ class Oracle:
             tokens = tokens.clone()
             for row, (pos, anchor) in enumerate(zip(self.anchor_positions, anchors.tolist(), strict=True)):
                 match = [s for s in self.sequences if len(s) > pos and s[pos] == anchor]
-                if not match:
+                if len(match) != 1:  # two requests may share a token at one position: no way to tell them apart
                     continue
                 self.seen.append((match[0], pos, hidden[row]))
                 truth = match[0][pos + 1 : pos + tokens.shape[1] + 1]
@@ -145,11 +145,14 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(
         assert_drafts_match_fresh_forwards(tiny, draft, forced.seen, block_size)
 
 
-def test_compacted_caches_decode_exactly_and_stay_small(tiny, greedy_case, monkeypatch):
+def test_compacted_caches_decode_exactly_and_stay_small(tiny, monkeypatch):
     """Proposals that are mostly rejected leave most slots masked: compaction must drop them from both caches
     (the widths shrink) without changing a token or what the drafter computes."""
-    prompts, free, stop, reference = greedy_case
     seed = torch.seed() % 10_000
+    prompts = random_prompts(seed, 4, tiny.vocab_size)
+    # Long enough that the masked slots (6 or 7 per step after each request's first block) outgrow the text.
+    free = spec.target_generate(tiny, prompts, max_new_tokens=40, batch_size=4)
+    reference = [g.output_ids for g in free]
     draft = make_draft(tiny, "dflash2", 8, seed)
     forced = Oracle(prompts, free, tiny.vocab_size, wrong=1.0, seed=seed, reach=2)
     forced.watch(draft)
@@ -165,7 +168,7 @@ def test_compacted_caches_decode_exactly_and_stay_small(tiny, greedy_case, monke
 
     compact = spec.compact
     monkeypatch.setattr(spec, "compact", recording)
-    out = spec.speculative_generate(tiny, draft, prompts, 8, MAX_NEW, stop_ids=[stop], batch_size=4)
+    out = spec.speculative_generate(tiny, draft, prompts, 8, 40, batch_size=4)
     assert [g.output_ids for g in out] == reference
     shrunk = [(b, a) for b, a, _ in widths if a != b]
     assert shrunk, "no step compacted the caches"
