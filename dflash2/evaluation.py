@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,9 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.draft.get("path"):
         raise ValueError("draft.path is not set: pass draft=<export dir> (a folder written by export.py)")
+    repeats = int(cfg.repeats)
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
     device = resolve_device(cfg.get("device"))
     kernels.set_backend(cfg.kernels)
     target, draft, identity = load_pair(cfg, device)
@@ -207,15 +211,19 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         batch_size=int(cfg.batch_size),
     )
     seed = int(cfg.seed)
-    samples, seconds = generate_turns(
-        target,
-        draft,
-        prompts,
-        dict(settings, block_size=block_size, use_selector=use_selector),
-        bool(cfg.multi_turn),
-        torch.Generator(device).manual_seed(seed),
-        bool(cfg.warmup),
-    )
+    # Each pass starts from the same seed; with `baseline` the target alone follows each pass, so the two speeds
+    # are compared pass by pass on a machine in the same state.
+    passes, reference = [], []
+    spec = dict(settings, block_size=block_size, use_selector=use_selector)
+    for r in range(repeats):
+        generator = torch.Generator(device).manual_seed(seed)
+        passes.append(generate_turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
+        if cfg.baseline:
+            generator = torch.Generator(device).manual_seed(seed)
+            reference.append(
+                generate_turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r))
+            )
+    samples = passes[0][0]
     num_tokens = sum(len(s["output_ids"]) for s in samples)
     manifest = draft.config.extra.get(MANIFEST_KEY)
     argmax_path = draft.candidate_selector is not None and not use_selector
@@ -226,8 +234,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "num_prompts": len(prompts),
         "num_requests": len(samples),
         "num_tokens": num_tokens,
-        "tokens_per_s": num_tokens / seconds if seconds > 0 else None,
-        "seconds": seconds,
+        **speed(passes),
         "temperature": settings["temperature"],
         "top_k": settings["top_k"],
         "top_p": settings["top_p"],
@@ -253,8 +260,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     # tau_sim was measured at the trained block size: a gap at another size would compare different things.
     comparable = tau_sim is not None and block_size == trained_block_size
     results["tau_gap"] = tau_sim - results["tau"] if comparable else None
-    if cfg.get("baseline"):
-        results["baseline"] = _baseline(target, prompts, settings, cfg, seed, samples)
+    if reference:
+        results["baseline"] = _baseline(reference, passes, settings["temperature"])
     with open(run_dir / "samples.jsonl", "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
@@ -281,23 +288,31 @@ def finished_run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
     return results if results.get("config") == settings_of(cfg) else None
 
 
+def warmup(cfg: DictConfig, pass_index: int) -> bool:
+    return bool(cfg.warmup) and pass_index == 0  # one-off costs are paid once, before the first timed pass
+
+
+def speed(passes: list[tuple[list[dict], float]]) -> dict[str, Any]:
+    """tokens/s as the median over the timed passes, with every pass's figure beside it."""
+    rates = [sum(len(s["output_ids"]) for s in samples) / seconds for samples, seconds in passes if seconds > 0]
+    return {
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_per_s_passes": rates,
+        "seconds": statistics.median(seconds for _, seconds in passes),
+    }
+
+
 def _baseline(
-    target: Any, prompts: list[dict], settings: dict[str, Any], cfg: DictConfig, seed: int, samples: list[dict]
+    reference: list[tuple[list[dict], float]], passes: list[tuple[list[dict], float]], temperature: float
 ) -> dict[str, Any]:
-    """The target alone on the same prompts: its speed, and at T = 0 a check that decoding was lossless."""
-    reference, seconds = generate_turns(
-        target,
-        None,
-        prompts,
-        settings,
-        bool(cfg.multi_turn),
-        torch.Generator(resolve_device(cfg.get("device"))).manual_seed(seed),
-        bool(cfg.warmup),
-    )
-    tokens = sum(len(s["output_ids"]) for s in reference)
-    out: dict[str, Any] = {"tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds}
-    if settings["temperature"] == 0:
-        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(samples, reference, strict=True))
+    """The target alone on the same prompts: its speed, the speed-up pass by pass, and at T = 0 a check that
+    speculative decoding was lossless."""
+    out = speed(reference)
+    ratios = [a / b for a, b in zip(speed(passes)["tokens_per_s_passes"], out["tokens_per_s_passes"], strict=True)]
+    out["speedup"] = statistics.median(ratios) if ratios else None
+    if temperature == 0:
+        samples, target_samples = passes[0][0], reference[0][0]
+        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(samples, target_samples, strict=True))
         out["identical_outputs"] = same / len(samples)
         if same < len(samples):
             log.warning(
@@ -337,7 +352,8 @@ def format_table(results: dict[str, Any]) -> str:
     if r.get("baseline"):
         b = r["baseline"]
         lines.append(
-            f"target alone: {b['tokens_per_s']:.1f} tokens/s"
+            f"target alone: {b['tokens_per_s']:.1f} tokens/s, speed-up {b['speedup']:.3f}x"
+            + (f" (median of {len(b['tokens_per_s_passes'])} passes)" if len(b["tokens_per_s_passes"]) > 1 else "")
             + (f", identical greedy outputs {b['identical_outputs']:.0%}" if "identical_outputs" in b else "")
         )
     return "\n".join(lines)
@@ -377,6 +393,7 @@ def log_wandb(cfg: DictConfig, results: dict[str, Any], run_dir: str | Path) -> 
             for k in ("tau", "tau_sim", "tau_gap", "num_steps", "num_prompts", "tokens_per_s")
             if results.get(k) is not None
         }
+        | {f"baseline/{k}": v for k, v in results.get("baseline", {}).items() if k in ("tokens_per_s", "speedup")}
     )
     run.finish()
 

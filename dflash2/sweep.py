@@ -65,20 +65,36 @@ def summary_table(runs: list[dict[str, Any]]) -> pd.DataFrame:
     return table
 
 
-def plot_tau(table: pd.DataFrame, path: Path) -> None:
+def tau_figure(table: pd.DataFrame) -> Any:
+    """Bars of tau per bench and setting, each with its drafter's `tau_sim` as a tick where that predicts it."""
     import matplotlib.pyplot as plt
 
     pivot = table.pivot_table(index="bench", columns="setting", values="tau", aggfunc="mean")
-    fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(pivot) + 0.4 * pivot.size), 4))
-    pivot.plot.bar(ax=ax, rot=0)
-    sim = table.groupby("bench")["tau_sim"].mean().reindex(pivot.index)
-    if sim.notna().any():  # the drafter's teacher-forced prediction, for the train/serve gap
-        ax.plot(range(len(sim)), sim.values, "k_", ms=40, mew=2, label="tau_sim")
+    # tau_sim predicts tau only at the block size it was measured at, i.e. where the run has a tau_gap.
+    sim = table.assign(tau_sim=table["tau_sim"].where(table["tau_gap"].notna()))
+    sim = sim.pivot_table(index="bench", columns="setting", values="tau_sim", aggfunc="mean", dropna=False)
+    sim = sim.reindex(index=pivot.index, columns=pivot.columns)
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(pivot) + 0.12 * pivot.size), 4))
+    pivot.plot.bar(ax=ax, rot=0, colormap="tab20" if pivot.shape[1] > 10 else None)
+    # Each bar's own drafter's teacher-forced prediction (the train/serve gap): a mean over drafters means nothing.
+    for bars, setting in zip(ax.containers, pivot.columns, strict=True):
+        for bar, value in zip(bars, sim[setting], strict=True):
+            if pd.notna(value):
+                ax.hlines(value, bar.get_x(), bar.get_x() + bar.get_width(), colors="k", lw=2)
+    if sim.notna().any().any():
+        ax.plot([], [], "k-", lw=2, label="tau_sim")
     ax.set_ylabel("tau (committed tokens per verify step)")
     ax.set_title("measured acceptance length")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.legend(fontsize="small", markerscale=0.3, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
+    return fig
+
+
+def plot_tau(table: pd.DataFrame, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = tau_figure(table)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -117,6 +117,33 @@ def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
     assert results["draft"]["selector"] is False and results["baseline"]["tokens_per_s"] > 0
 
 
+def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path, monkeypatch):
+    import statistics
+
+    from dflash2 import evaluation
+
+    draft = export_draft(tiny, tmp_path / "draft")
+    calls = []
+    real = evaluation.generate_turns
+    monkeypatch.setattr(
+        evaluation, "generate_turns", lambda t, d, *a: calls.append((d is None, a[-1])) or real(t, d, *a)
+    )
+    overrides = ["bench.limit=2", "max_new_tokens=6", "temperature=0", "baseline=true", "repeats=3"]
+    results = evaluate(config(f"draft.path={draft}", *overrides), tmp_path / "run")
+    # drafter, then target alone, three times; one-off costs are paid before the first pass only
+    assert calls == [(False, True), (True, True), (False, False), (True, False), (False, False), (True, False)]
+    spec, base = results["tokens_per_s_passes"], results["baseline"]["tokens_per_s_passes"]
+    assert len(spec) == len(base) == 3 and min(spec + base) > 0
+    assert results["tokens_per_s"] == statistics.median(spec)
+    assert results["baseline"]["tokens_per_s"] == statistics.median(base)
+    assert results["baseline"]["speedup"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(spec, base, strict=True))
+    )
+    assert results["baseline"]["identical_outputs"] == 1.0
+    with pytest.raises(ValueError, match="repeats=0"):
+        evaluate(config(f"draft.path={draft}", "repeats=0"), tmp_path / "run0")
+
+
 def test_a_draft_for_another_target_is_refused(tiny, tmp_path):
     identity = target_identity("tiny", tiny.config, tiny.tokenizer) | {"target": "other", "tokenizer_hash": "0" * 64}
     draft = export_draft(tiny, tmp_path / "draft", manifest=build_manifest(identity, "test", 0))
@@ -200,3 +227,42 @@ def test_notebook_runs_on_the_sweep(sweep, monkeypatch):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from dflash2.sweep import summary_table, tau_figure
+
+    def run(draft: str, bench: str, block: int, tau: float, tau_sim: float) -> dict:
+        gap = tau_sim - tau if block == 16 else None  # evaluate.py sets tau_gap only at the training block size
+        return {
+            "draft": {"name": draft, "selector": True},
+            "bench": bench,
+            "temperature": 0.0,
+            "block_size": block,
+            "tau": tau,
+            "tau_sim": tau_sim,
+            "tau_gap": gap,
+        }
+
+    sims = {"a": 1.1 + torch.rand(()).item(), "b": 1.1 + torch.rand(()).item()}
+    runs = [
+        run(d, bench, block, 1.0 + torch.rand(()).item(), sims[d])
+        for d in sims
+        for bench in ("gsm8k", "mbpp")
+        for block in (16, 8)
+    ]
+    table = summary_table(runs)
+    fig = tau_figure(table)
+    ax = fig.axes[0]
+    ticks = sorted(round(seg[0][1], 6) for c in ax.collections for seg in c.get_segments())
+    assert ticks == sorted(round(sims[r["draft"]["name"]], 6) for r in runs if r["block_size"] == 16)
+    bars = sorted(round(p.get_height(), 6) for c in ax.containers for p in c)
+    assert bars == sorted(round(r["tau"], 6) for r in runs)
+    assert not pd.isna(table["tau_sim"]).any()  # the table itself keeps tau_sim for every run
+    plt.close(fig)
