@@ -261,7 +261,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     comparable = tau_sim is not None and block_size == trained_block_size
     results["tau_gap"] = tau_sim - results["tau"] if comparable else None
     if reference:
-        results["baseline"] = _baseline(reference, passes, settings["temperature"])
+        results["baseline"] = _baseline(reference, passes, results["tokens_per_s_passes"], settings["temperature"])
     with open(run_dir / "samples.jsonl", "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
@@ -303,12 +303,15 @@ def speed(passes: list[tuple[list[dict], float]]) -> dict[str, Any]:
 
 
 def _baseline(
-    reference: list[tuple[list[dict], float]], passes: list[tuple[list[dict], float]], temperature: float
+    reference: list[tuple[list[dict], float]],
+    passes: list[tuple[list[dict], float]],
+    rates: list[float],
+    temperature: float,
 ) -> dict[str, Any]:
     """The target alone on the same prompts: its speed, the speed-up pass by pass, and at T = 0 a check that
     speculative decoding was lossless."""
     out = speed(reference)
-    ratios = [a / b for a, b in zip(speed(passes)["tokens_per_s_passes"], out["tokens_per_s_passes"], strict=True)]
+    ratios = [a / b for a, b in zip(rates, out["tokens_per_s_passes"], strict=True)]
     out["speedup"] = statistics.median(ratios) if ratios else None
     if temperature == 0:
         samples, target_samples = passes[0][0], reference[0][0]
