@@ -7,16 +7,22 @@
 #
 #   bash benchmarks/acceptance.sh WORK_DIR            # e.g. /root/acceptance; rerun to resume
 #
-# Env: STEPS (optimizer steps per drafter, 600), VAL (validate every VAL steps, 300), LIMIT (ShareGPT conversations
-# to regenerate, 2800: STEPS x 4 rows plus the 256 held out for validation, with room for skips), JOBS (processes
-# sharing the GPUs while the grid runs, 6: one evaluation is bound by its Python loop and leaves a GPU mostly idle),
-# CHECK_ONLY=1 (tiny sizes for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after that stage: regenerate,
-# train, grid, speed). Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the
-# trained drafters and the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with
-# JOBS runs sharing the GPUs; the speed stage measures them alone.
+# Env: STEPS (optimizer steps per drafter, 600), VAL (validate every VAL steps, 300), LIMIT (ShareGPT conversations to
+# regenerate, 2800: STEPS x 4 rows plus the 256 held out for validation, with room for skips), JOBS (processes sharing
+# the GPUs while the grid runs, 6: one evaluation is bound by its Python loop and leaves a GPU mostly idle), SETTINGS
+# (the grid's settings, ';'-separated, default all four of T=0,1 x block 16,8), BENCHES (the grid's benches in
+# ';'-separated groups, one sweep each, default gsm8k,humaneval,math500;mbpp,mtbench,alpaca), CHECK_ONLY=1 (tiny sizes
+# for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed). Each
+# finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and the
+# finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the GPUs;
+# the speed stage measures them alone.
 # To start from the set regenerated on 2026-12-01 (BENCHMARKS.md) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
+# To go on regenerating the whole file on one GPU from the 5,574 conversations done so far (the set above, then
+# part2: the regeneration resumes after the ids already written):
+#   mkdir -p WORK_DIR/regen && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2}.jsonl.gz \
+#     > WORK_DIR/regen/smollm2.0.jsonl && LIMIT=null bash benchmarks/acceptance.sh WORK_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=$(realpath -m "${1:?usage: bash benchmarks/acceptance.sh WORK_DIR}")
@@ -84,14 +90,14 @@ sweep() {  # sweep NAME GPU DRAFTS OVERRIDES...: one Hydra multirun under DIR (s
   log "swept $1"
 }
 
-# The grid in order of priority, two bench halves per setting, so that up to JOBS runs share the GPUs.
-SETTINGS=("temperature=0 block_size=16" "temperature=1 block_size=16" "temperature=0 block_size=8"
-  "temperature=1 block_size=8")
-HALVES=(gsm8k,humaneval,math500 mbpp,mtbench,alpaca)
+# The grid in order of priority, two groups of benches per setting, so that up to JOBS runs share the GPUs.
+IFS=';' read -ra SETTINGS <<< "${SETTINGS:-temperature=0 block_size=16;temperature=1 block_size=16;\
+temperature=0 block_size=8;temperature=1 block_size=8}"
+IFS=';' read -ra BENCHES <<< "${BENCHES:-gsm8k,humaneval,math500;mbpp,mtbench,alpaca}"
 grid() {  # grid DRAFT: spawn its 8 sweeps
   local s h
   for s in "${SETTINGS[@]}"; do
-    for h in "${HALVES[@]}"; do
+    for h in "${BENCHES[@]}"; do
       # shellcheck disable=SC2086  # each setting is two overrides
       spawn sweep "$1_$(tr -d ' =_' <<< "$s" | sed 's/temperature/t/; s/blocksize/b/')_${h%%,*}" "$1" $s bench=$h
     done
@@ -101,18 +107,18 @@ grid() {  # grid DRAFT: spawn its 8 sweeps
 if stage regenerate; then regenerate; done_ regenerate; fi
 if stage train; then
   # Two trainings share a GPU well: each alone leaves it mostly idle (BENCHMARKS.md, training throughput).
-  spawn train dflash draft=dflash
+  # The warm start follows DFlash on its GPU; beside the grid's evaluations it trained 4 times slower.
   spawn train dflash2
+  if train dflash 1 draft=dflash; then
+    spawn train dflash2_warm draft.init_from="$W/exports/dflash" draft.train_backbone=false
+  fi
   finish
   done_ train
 fi
 if stage grid; then
-  spawn train dflash2_warm draft.init_from="$W/exports/dflash" draft.train_backbone=false
-  warm=$!
   grid dflash
   grid dflash2
-  while kill -0 $warm 2> /dev/null; do sleep 5; done
-  if [ -f "$W/exports/dflash2_warm.checked" ]; then grid dflash2_warm; fi
+  grid dflash2_warm
   finish
   done_ grid
 fi
