@@ -94,7 +94,7 @@ sweep() {  # sweep NAME GPU DRAFTS OVERRIDES...: one Hydra multirun under DIR (s
 IFS=';' read -ra SETTINGS <<< "${SETTINGS:-temperature=0 block_size=16;temperature=1 block_size=16;\
 temperature=0 block_size=8;temperature=1 block_size=8}"
 IFS=';' read -ra BENCHES <<< "${BENCHES:-gsm8k,humaneval,math500;mbpp,mtbench,alpaca}"
-grid() {  # grid DRAFT: spawn its 8 sweeps
+grid() {  # grid DRAFT: spawn its sweeps, one per setting and group of benches
   local s h
   for s in "${SETTINGS[@]}"; do
     for h in "${BENCHES[@]}"; do
