@@ -11,18 +11,21 @@
 # regenerate, 2800: STEPS x 4 rows plus the 256 held out for validation, with room for skips), JOBS (processes sharing
 # the GPUs while the grid runs, 6: one evaluation is bound by its Python loop and leaves a GPU mostly idle), SETTINGS
 # (the grid's settings, ';'-separated, default all four of T=0,1 x block 16,8), BENCHES (the grid's benches in
-# ';'-separated groups, one sweep each, default gsm8k,humaneval,math500;mbpp,mtbench,alpaca), CHECK_ONLY=1 (tiny sizes
-# for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed). Each
-# finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and the
-# finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the GPUs;
-# the speed stage measures them alone.
+# ';'-separated groups, one sweep each, default gsm8k,humaneval,math500;mbpp,mtbench,alpaca), DRAFTERS (the drafters
+# trained, swept and timed, default dflash,dflash2,dflash2_warm; dflash is always trained: it is the baseline, and
+# the warm start's init), CHECK_ONLY=1 (tiny sizes for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after
+# that stage: regenerate, train, grid, speed). Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it;
+# the regeneration, the trained drafters and the finished evaluations are kept within a stage too. Tokens/s of the
+# grid are measured with JOBS runs sharing the GPUs; the speed stage measures them alone.
 # To start from the set regenerated on 2026-12-01 (BENCHMARKS.md) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
-# To go on regenerating the whole file on one GPU from the 5,574 conversations done so far (the set above, then
-# part2: the regeneration resumes after the ids already written):
-#   mkdir -p WORK_DIR/regen && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2}.jsonl.gz \
+# To go on regenerating the whole file on one GPU from the 12,505 conversations done so far (the set above, then
+# part2 and part3: the regeneration resumes after the ids already written; 3,748 of the 16,421 are left):
+#   mkdir -p WORK_DIR/regen && gunzip -c \
+#     benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3}.jsonl.gz \
 #     > WORK_DIR/regen/smollm2.0.jsonl && LIMIT=null bash benchmarks/acceptance.sh WORK_DIR
+# Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=$(realpath -m "${1:?usage: bash benchmarks/acceptance.sh WORK_DIR}")
@@ -31,6 +34,7 @@ GPUS=$(python -c "import torch; print(min(2, max(1, torch.cuda.device_count())))
 DATA=$W/smollm2.jsonl
 mkdir -p "$W" && rm -f "$W/failed"
 regen_args=(model.dtype=bfloat16 cache_implementation=static batch_size=512)
+DRAFTERS=${DRAFTERS:-dflash,dflash2,dflash2_warm}
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false trainer.max_epochs=1000)
 eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
@@ -49,6 +53,7 @@ spawn() {  # run a command in the background once fewer than JOBS are running, o
   slot=$((slot + 1))  # here: an expansion on the backgrounded line would happen in its subshell
   "$1" "$2" $((slot - 1)) "${@:3}" &
 }
+wanted() { [[ ",$DRAFTERS," == *",$1,"* ]]; }
 fail() { log "FAILED $*"; touch "$W/failed"; return 1; }
 finish() {  # wait for every background job; fail if any did
   wait
@@ -108,22 +113,20 @@ if stage regenerate; then regenerate; done_ regenerate; fi
 if stage train; then
   # Two trainings share a GPU well: each alone leaves it mostly idle (BENCHMARKS.md, training throughput).
   # The warm start follows DFlash on its GPU; beside the grid's evaluations it trained 4 times slower.
-  spawn train dflash2
-  if train dflash 1 draft=dflash; then
+  if wanted dflash2; then spawn train dflash2; fi
+  if train dflash 1 draft=dflash && wanted dflash2_warm; then
     spawn train dflash2_warm draft.init_from="$W/exports/dflash" draft.train_backbone=false
   fi
   finish
   done_ train
 fi
 if stage grid; then
-  grid dflash
-  grid dflash2
-  grid dflash2_warm
+  for d in ${DRAFTERS//,/ }; do grid "$d"; done
   finish
   done_ grid
 fi
 if stage speed; then
-  JOBS=1 SWEEPS=speed sweep gsm8k 0 dflash,dflash2,dflash2_warm temperature=0 block_size=16 bench=gsm8k baseline=true \
+  JOBS=1 SWEEPS=speed sweep gsm8k 0 "$DRAFTERS" temperature=0 block_size=16 bench=gsm8k baseline=true \
     repeats=3
   done_ speed
 fi

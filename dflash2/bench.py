@@ -33,7 +33,8 @@ MBPP_TESTS = "Your code should pass these tests:\n\n"
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
-# Training reads ShareGPT from the start of the file; this many complete records at its end are held out.
+# This many complete records at the end of the ShareGPT file are the sharegpt benchmark's; `load_conversations`
+# never returns them, so neither training nor regeneration sees them.
 SHAREGPT_HELDOUT_RECORDS = 1000
 # Keep self-contained first turns that fit any target's context: not "hi", not a pasted book.
 SHAREGPT_MIN_CHARS, SHAREGPT_MAX_CHARS = 16, 4000

@@ -171,6 +171,28 @@ def test_malformed_record_is_named(tmp_path, turn, problem):
     assert path in message and "record 2" in message and bad_id in message and problem in message
 
 
+def test_packaged_sharegpt_never_yields_the_benchmark_tail(tmp_path, monkeypatch):
+    import dflash2.data.chat as chat
+    from dflash2.bench import SHAREGPT_HELDOUT_RECORDS
+
+    rng = random.Random()
+    n = SHAREGPT_HELDOUT_RECORDS + rng.randint(2, 40)
+    records = [
+        {"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(n)
+    ]
+    text = json.dumps(records, indent=2)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.rindex('"from": "gpt"')])  # cut inside the last record, as the embedded file is
+    monkeypatch.setattr(chat, "sharegpt_path", lambda: str(path))
+    train = [r["id"] for r in records[: n - 1 - SHAREGPT_HELDOUT_RECORDS]]
+    assert load_conversations(None)["id"] == train
+    assert load_conversations(str(path))["id"] == train  # the same file by name
+    assert load_conversations(None, limit=1)["id"] == train[:1]
+    other = write_jsonl(tmp_path / "other.jsonl", records)  # any other file keeps every record
+    assert len(load_conversations(other)) == n
+
+
 def test_packaged_sharegpt_loads():
     data = load_conversations(None, limit=5)
     assert len(data) == 5

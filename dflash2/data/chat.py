@@ -19,6 +19,8 @@ from typing import Any
 
 import datasets
 
+from dflash2.bench import sharegpt_tail_records
+
 log = logging.getLogger(__name__)
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -136,15 +138,19 @@ def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
 
 def load_conversations(path: str | None, limit: int | None = None) -> datasets.Dataset:
     """Validated conversations of a JSON/JSONL file (None = the embedded ShareGPT) as a Dataset with columns
-    id, messages, regenerated_by. Conversations without a non-empty assistant reply are dropped (and counted)."""
+    id, messages, regenerated_by. Conversations without a non-empty assistant reply are dropped (and counted).
+    The embedded ShareGPT's last records are the `sharegpt` benchmark's prompts, so they are never returned."""
     source = sharegpt_path() if path is None else str(path)
     if not os.path.isfile(source):
         raise FileNotFoundError(f"data.path={source!r} does not exist; pass a JSON/JSONL file of chats")
     kept, empty, no_reply = [], 0, 0
     packaged = path is None or _same_file(source, sharegpt_path)
+    held_out = {r.get("id") for r in sharegpt_tail_records(Path(source))} if packaged else set()
     for index, record in _iter_json(source, tolerate_truncation=packaged):
         if limit is not None and len(kept) >= limit:
             break
+        if held_out and isinstance(record, dict) and record.get("id") in held_out:
+            continue
         conversation = normalise(record, index, source)
         if not conversation["messages"]:
             empty += 1
@@ -153,11 +159,12 @@ def load_conversations(path: str | None, limit: int | None = None) -> datasets.D
         else:
             kept.append(conversation)
     log.info(
-        "%s: %d conversations kept, %d empty and %d without an assistant reply dropped",
+        "%s: %d conversations kept, %d empty and %d without an assistant reply dropped%s",
         source,
         len(kept),
         empty,
         no_reply,
+        f"; the {len(held_out)} ids of its last records are held out for the sharegpt benchmark" if held_out else "",
     )
     if not kept:
         raise ValueError(f"{source}: no conversation with an assistant reply (limit={limit})")

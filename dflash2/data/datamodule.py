@@ -124,7 +124,7 @@ class DFlashDataModule(L.LightningDataModule):
         source = sharegpt_path() if h.path is None else os.path.abspath(h.path)
         conversations = load_conversations(h.path, h.limit)
         stat = os.stat(source)
-        source_key = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|limit={h.limit}"
+        source_key = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|limit={h.limit}|n={len(conversations)}"
         rows = tokenize_conversations(conversations, self.tokenizer, h.max_length, source_key, h.num_proc, h.cache_dir)
         dropped = len(conversations) - len(rows)
         log.info(
