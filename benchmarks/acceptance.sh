@@ -17,14 +17,11 @@
 # that stage: regenerate, train, grid, speed). Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it;
 # the regeneration, the trained drafters and the finished evaluations are kept within a stage too. Tokens/s of the
 # grid are measured with JOBS runs sharing the GPUs; the speed stage measures them alone.
-# To start from the set regenerated on 2026-12-01 (BENCHMARKS.md) instead of regenerating it:
-#   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated.jsonl.gz \
+# To start from the whole set regenerated on 2026-12-01 (BENCHMARKS.md: 16,211 conversations, every complete one
+# of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
+#   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
-# To go on regenerating the whole file on one GPU from the 12,505 conversations done so far (the set above, then
-# part2 and part3: the regeneration resumes after the ids already written; 3,748 of the 16,421 are left):
-#   mkdir -p WORK_DIR/regen && gunzip -c \
-#     benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3}.jsonl.gz \
-#     > WORK_DIR/regen/smollm2.0.jsonl && LIMIT=null bash benchmarks/acceptance.sh WORK_DIR
+# A regeneration resumes after the ids already in WORK_DIR/regen/smollm2.<gpu>.jsonl (seed it with those files).
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."

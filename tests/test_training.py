@@ -166,6 +166,41 @@ def test_labels_are_the_same_position_tokens(parts):
     assert acc(right) > 0.95 and acc(wrong) < 0.3, (acc(right), acc(wrong))
 
 
+def test_training_blocks_are_what_decoding_computes(parts):
+    """Each training block (a padded batch, many anchors in one masked pass) must give the drafter's output that
+    decoding computes at that anchor: one uncached forward of [anchor, MASK, ...] over the target's features of
+    exactly the tokens before it (tests/test_speculative.py ties the cached decode loop to that forward). Any
+    shifted position, context or label between training and serving fails here."""
+    _, target, _, batch = parts
+    module = module_for(parts)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    with torch.no_grad():  # random weights everywhere: the conv and selector are not at their inert init
+        for p in module.draft.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        hidden = module.block_hidden(batch)
+    cfg = module.draft.config
+    slots = torch.arange(cfg.block_size)
+    rows, blocks = torch.nonzero(batch["anchor_valid"].bool(), as_tuple=True)
+    pick = torch.randperm(len(rows), generator=gen)[:8]
+    assert len(pick) == 8 and batch["attention_mask"].sum(-1).unique().numel() > 1  # several lengths: padding
+    for i, j in zip(rows[pick].tolist(), blocks[pick].tolist(), strict=True):
+        length = int(batch["attention_mask"][i].sum())
+        sequence = batch["input_ids"][i, :length]
+        pos = int(batch["anchors"][i, j])
+        block = torch.tensor([[int(sequence[pos])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+        with torch.no_grad():
+            features = target.forward(sequence[None, :pos]).hidden
+            fresh = module.draft(
+                target.embed_tokens(block), pos + slots[None], module.draft.fuse(features), torch.arange(pos)[None]
+            )
+        torch.testing.assert_close(hidden[i, j], fresh[0, 1:], rtol=1e-4, atol=1e-4)
+        # Slot k's label is the token decoding must propose there: the one at pos + k.
+        labels = batch["labels"][i, j]
+        for k in range(1, cfg.block_size):
+            if labels[k - 1] != -100:
+                assert labels[k - 1] == sequence[pos + k]
+
+
 def test_dflash_has_no_conv_or_selector(parts, chats, tmp_path):
     cfg = config(chats, tmp_path, "draft=dflash")
     draft_config = draft_config_for(parts[1], cfg.model, cfg.draft)

@@ -103,8 +103,8 @@ class DFlash2Module(L.LightningModule):
         # inference tensors that autograd refuses to save (its head is in the drafter's graph).
         self.target.to(self.trainer.strategy.root_device)
 
-    def draft_step(self, batch: dict[str, torch.Tensor]):
-        """Teacher-forced pass over the batch's blocks -> DraftLosses."""
+    def block_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Teacher-forced draft output at the proposing slots 1..B-1 of every block: [b, n, B-1, H]."""
         cfg = self.draft.config
         b, length = batch["input_ids"].shape
         n = batch["anchors"].shape[1]
@@ -114,7 +114,13 @@ class DFlash2Module(L.LightningModule):
         context_positions = torch.arange(length, device=self.device).expand(b, length)
         mask = block_attention_mask(batch, length, cfg.block_size)
         hidden = self.draft(block_embeds, batch["block_positions"], context, context_positions, mask)
-        hidden = hidden.view(b, n, cfg.block_size, -1)[:, :, 1:]
+        return hidden.view(b, n, cfg.block_size, -1)[:, :, 1:]
+
+    def draft_step(self, batch: dict[str, torch.Tensor]):
+        """Teacher-forced pass over the batch's blocks -> DraftLosses."""
+        cfg = self.draft.config
+        b, n = batch["anchors"].shape
+        hidden = self.block_hidden(batch)
         labels = batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), -100)
         anchor_ids = batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0]
         return draft_losses(
