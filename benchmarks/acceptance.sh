@@ -21,7 +21,6 @@
 # of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
-# A regeneration resumes after the ids already in WORK_DIR/regen/smollm2.<gpu>.jsonl (seed it with those files).
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
