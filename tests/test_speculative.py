@@ -6,6 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the
 
 import pytest
 import torch
+from fresh_forward import fresh_block_output
 from scipy.stats import chisquare
 
 from dflash2 import DFlash2Config, DFlash2DraftModel, kernels
@@ -185,13 +186,8 @@ def assert_drafts_match_fresh_forwards(target, draft, seen, block_size):
     uncached forward over exactly the committed tokens gives."""
     assert len(seen) > 5
     for sequence, pos, hidden in seen:
-        context = torch.tensor([sequence[:pos]])
-        features = target.forward(context).hidden
-        block = torch.tensor([[sequence[pos]] + [draft.config.mask_token_id] * (block_size - 1)])
-        with torch.no_grad():
-            positions = pos + torch.arange(block_size)[None]
-            fresh = draft(target.embed_tokens(block), positions, draft.fuse(features), torch.arange(pos)[None])
-        torch.testing.assert_close(hidden, fresh[0, 1:], rtol=1e-4, atol=1e-4)
+        fresh = fresh_block_output(target, draft, sequence, pos, block_size)
+        torch.testing.assert_close(hidden, fresh, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(_backend.triton is None, reason="triton is not installed")

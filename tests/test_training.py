@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fresh_forward import fresh_block_output
 from training_setup import config
 
 from dflash2.training import DFlash2Module, draft_losses, loss_gamma, slot_weights
@@ -179,7 +180,6 @@ def test_training_blocks_are_what_decoding_computes(parts):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
         hidden = module.block_hidden(batch)
     cfg = module.draft.config
-    slots = torch.arange(cfg.block_size)
     rows, blocks = torch.nonzero(batch["anchor_valid"].bool(), as_tuple=True)
     pick = torch.randperm(len(rows), generator=gen)[:8]
     assert len(pick) == 8 and batch["attention_mask"].sum(-1).unique().numel() > 1  # several lengths: padding
@@ -187,13 +187,8 @@ def test_training_blocks_are_what_decoding_computes(parts):
         length = int(batch["attention_mask"][i].sum())
         sequence = batch["input_ids"][i, :length]
         pos = int(batch["anchors"][i, j])
-        block = torch.tensor([[int(sequence[pos])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
-        with torch.no_grad():
-            features = target.forward(sequence[None, :pos]).hidden
-            fresh = module.draft(
-                target.embed_tokens(block), pos + slots[None], module.draft.fuse(features), torch.arange(pos)[None]
-            )
-        torch.testing.assert_close(hidden[i, j], fresh[0, 1:], rtol=1e-4, atol=1e-4)
+        fresh = fresh_block_output(target, module.draft, sequence, pos, cfg.block_size)
+        torch.testing.assert_close(hidden[i, j], fresh, rtol=1e-4, atol=1e-4)
         # Slot k's label is the token decoding must propose there: the one at pos + k.
         labels = batch["labels"][i, j]
         for k in range(1, cfg.block_size):
