@@ -35,7 +35,7 @@ train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false 
 eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
   regen_args=(max_new_tokens=8 batch_size=8) STEPS=4 VAL=2 LIMIT=${LIMIT_CHECK:-48}
-  train_args+=(trainer=cpu model.dtype=float32 data.max_length=256 data.anchor_seq_len=256 data.max_anchors=8
+  train_args+=(trainer=cpu model.dtype=float32 data.max_length=256 data.max_anchors=8
     data.val_size=8 data.num_workers=0 model.num_draft_layers=1)
   eval_args=(bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi

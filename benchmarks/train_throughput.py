@@ -1,6 +1,7 @@
 """Training throughput of DFlash2: step time, tokens/s and model FLOP utilisation of the real training step.
 
     python benchmarks/train_throughput.py [--preset smollm2 qwen3-8b] [--out benchmarks/results/train_throughput.json]
+    python benchmarks/train_throughput.py --variant fast plain --drafter dflash2 dflash --profile --out FILE
     python benchmarks/train_throughput.py --small --out /tmp/train_throughput.json   # tiny targets: seconds on a CPU
 
 One step is what `python train.py` runs: Lightning's Trainer.fit on DFlash2Module, i.e. the frozen target's forward
@@ -9,9 +10,12 @@ clipping and the fused AdamW step. The batch is synthetic but built by the data 
 BlockCollator): `data.batch_size` rows of `data.max_length` random tokens whose first eighth is an untrained prompt,
 so every row is full length and carries the full `max_anchors` blocks (the most work a step of the recipe can get).
 Each step is timed from Lightning's on_train_batch_start to on_train_batch_end with the device synchronised at both;
-the median over --steps after --warmup steps is reported. Nothing is compiled beyond what the code does itself (on a
-GPU the drafter's flex_attention runs as model.py calls it). A preset that runs out of memory is recorded as such and
-the others still run; `--override data.max_anchors=256` (any Hydra override) shrinks it.
+the median over --steps after --warmup steps is reported, with the device time of its phases (forward, backward,
+clipping + optimizer). Variants: `fast` is the experiment as configured (the fused head, and on a GPU torch.compile
+of the drafter, the head's chunks and the mask); `plain` is the PyTorch reference path (whole logits, eager).
+--profile runs two more steps under torch.profiler and records the device time of the forward's named ranges
+(target, block_mask, draft, losses) and the costliest kernels. A preset that runs out of memory is recorded as
+such and the others still run; `--override data.max_anchors=256` (any Hydra override) shrinks it.
 
 Presets (sizes from the Hydra configs, composed as train.py composes them):
   smollm2   experiment=gpu_smollm2: the embedded SmolLM2-135M-Instruct target, loaded by TargetModel.from_config
@@ -43,6 +47,7 @@ from dflash2.training.run import build_module as build_train_module
 from dflash2.training.run import draft_config_for, register_resolvers
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+RANGES = ("target", "block_mask", "draft", "losses")  # the record_function labels of DFlash2Module's forward
 PRESETS = {"smollm2": "gpu_smollm2", "qwen3-8b": "qwen3"}  # preset -> configs/experiment/<name>.yaml
 QWEN3_8B = dict(
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -55,11 +60,14 @@ TINY_QWEN3 = QWEN3_8B | dict(
 )  # fmt: skip
 DRAFT_FIELDS = ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "vocab_size",
                 "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # fmt: skip
+# The fast path is each experiment's default (fused head, torch.compile on CUDA); plain is the PyTorch reference.
+VARIANTS = {"fast": [], "plain": ["draft.fused_head=false", "draft.compile=false"]}
+DRAFTERS = {"dflash2": [], "dflash": ["draft=dflash"]}
 SMALL_DATA = ["data.max_length=64", "data.batch_size=2"]
 SMALL_DRAFT = ["model.block_size=4", "model.num_draft_layers=1", "model.target_layer_ids=[1,2]", "model.dtype=float32"]
 SMALL = {
     "smollm2": ["model.path=tiny", "model.gguf_file=null", "draft.selector_rank=16", "draft.selector_top_k=8"],
-    # The chunked head (qwen3's logits_chunk_rows) is kept, at a size this batch exceeds, so its path runs too.
+    # Fused-head chunks smaller than this batch's rows, so that several chunks run.
     "qwen3-8b": ["model.mask_token_id=511", "draft.selector_rank=16", "draft.selector_top_k=8",
                  "draft.logits_chunk_rows=16"],
 }  # fmt: skip
@@ -105,7 +113,7 @@ def synthetic_batch(cfg: DictConfig, draft: DFlash2Config, vocab: int, pad_token
     for _ in range(int(cfg.data.batch_size)):
         loss_mask = torch.ones(length, dtype=torch.long)
         loss_mask[: length // 8] = 0
-        anchors = sample_anchors(loss_mask, int(cfg.data.max_anchors), int(cfg.data.anchor_seq_len), generator)
+        anchors = sample_anchors(loss_mask, int(cfg.data.max_anchors), generator)
         input_ids = torch.randint(0, vocab, (length,), generator=generator)
         rows.append({"input_ids": input_ids, "loss_mask": loss_mask, "anchors": anchors})
     return BlockCollator(draft.block_size, draft.mask_token_id, pad_token_id)(rows)
@@ -128,8 +136,8 @@ def step_flops(batch: dict[str, torch.Tensor], cfg: DFlash2Config, target_layers
         selector (projection, transitions)   2*N*H*r + 2*N*K*r
     Drafter backward: 2x its forward (input and weight gradients), except 1x for fc (its input, the target's
     features, needs no gradient) and for the head (its weight is the frozen target's).
-    Not counted: norms, RoPE, softmax, the convs' elementwise taps, the optimizer, and the head chunks that
-    logits_chunk_rows recomputes in the backward (hardware work, not model work).
+    Not counted: norms, RoPE, softmax, the convs' elementwise taps, the optimizer, and the fused head's top-K
+    gradient through W[cand] (hardware work, not model work).
     Returned as target_matmul, target_attention, draft_matmul and draft_attention (both forward + backward), total.
     """
     h, hq, hkv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -160,32 +168,88 @@ def step_flops(batch: dict[str, torch.Tensor], cfg: DFlash2Config, target_layers
 
 
 class StepTimer(Callback):
-    """Seconds per training step (forward, backward, clipping, optimizer), with the device idle at both ends."""
+    """Seconds per training step (forward, backward, clipping, optimizer), with the device idle at both ends.
 
-    def __init__(self) -> None:
+    On a GPU also the device time of each phase, from CUDA events at Lightning's hooks: forward (target, mask,
+    drafter, losses), backward, then gradient clipping + optimizer step + zero_grad. With `profile_step` >= 0 that
+    step and the next run under torch.profiler (`self.profiler`)."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self, profile_step: int = -1) -> None:
         self.seconds: list[float] = []
         self.losses: list[float] = []
+        self.phases: list[dict[str, float]] = []
         self._start = 0.0
+        self._events: list[Any] = []
+        self.profile_step, self.profiler = profile_step, None
 
     @staticmethod
     def _sync(module: L.LightningModule) -> None:
         if module.device.type == "cuda":
             torch.cuda.synchronize(module.device)
 
+    def _mark(self, module: L.LightningModule) -> None:
+        if module.device.type == "cuda":
+            self._events.append(torch.cuda.Event(enable_timing=True))
+            self._events[-1].record()
+
+    def on_before_backward(self, trainer: L.Trainer, module: L.LightningModule, loss: Any) -> None:
+        self._mark(module)
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._mark(module)
+
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.profile_step:
+            self.profiler = torch.profiler.profile()
+            self.profiler.__enter__()
         self._sync(module)
+        self._events = []
+        self._mark(module)
         self._start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._mark(module)
         self._sync(module)
         self.seconds.append(time.perf_counter() - self._start)
         self.losses.append(float(outputs["loss"]))
+        if len(self._events) == 4:
+            pairs = zip(self.PHASES, self._events[:-1], self._events[1:], strict=True)
+            self.phases.append({p: a.elapsed_time(b) / 1e3 for p, a, b in pairs})
+        if self.profiler is not None and batch_idx == self.profile_step + 1:
+            self.profiler.__exit__(None, None, None)
+
+
+def profile_tables(profiler: Any, steps: int = 2, rows: int = 25) -> dict[str, Any]:
+    """Device time per step of the forward's named ranges (dflash2.training.module's record_function labels) and of
+    the `rows` costliest kernels, from a torch.profiler run over `steps` steps."""
+    events = profiler.key_averages()
+    ranges = {e.key: e.device_time_total / 1e6 / steps for e in events if e.key in RANGES}
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0),
+        key=lambda e: -e.self_device_time_total,
+    )
+    # Named ranges (ours, the optimizer's) also appear on the device as spans, idle gaps included: not kernels.
+    kernels = [e for e in kernels if e.key not in RANGES and not e.key.startswith(("Optimizer.", "ProfilerStep"))]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+    table = [
+        {"kernel": e.key[:120], "s_per_step": e.self_device_time_total / 1e6 / steps, "calls": e.count // steps}
+        for e in kernels[:rows]
+    ]
+    return {"ranges_s": ranges, "kernels_busy_s": busy, "kernels": table}
 
 
 def run_preset(
-    preset: str, small: bool, steps: int, warmup: int, peak_tflops: float, overrides: list[str] | None = None
+    preset: str,
+    small: bool,
+    steps: int,
+    warmup: int,
+    peak_tflops: float,
+    overrides: list[str] | None = None,
+    profile: bool = False,
 ) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = compose_preset(preset, small, overrides or [])
@@ -195,12 +259,13 @@ def run_preset(
     draft = module.draft.config
     pad = getattr(target.tokenizer, "pad_token_id", None) or 0
     batch = synthetic_batch(cfg, draft, target.vocab_size, pad)
-    timer = StepTimer()
+    profiled = 2 if profile else 0  # after the timed steps, so that the profiler's own cost stays out of them
+    timer = StepTimer(warmup + steps if profile else -1)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=1,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",  # what trainer=gpu / trainer=cpu use
-        max_steps=warmup + steps,
+        max_steps=warmup + steps + profiled,
         gradient_clip_val=cfg.trainer.gradient_clip_val,
         accumulate_grad_batches=1,
         limit_val_batches=0,
@@ -212,14 +277,14 @@ def run_preset(
         callbacks=[timer],
     )
     # batch_size=None: the loader hands over the collated batch as is, a fresh device copy every step.
-    loader = torch.utils.data.DataLoader([batch] * (warmup + steps), batch_size=None)
+    loader = torch.utils.data.DataLoader([batch] * (warmup + steps + profiled), batch_size=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.fit(module, train_dataloaders=loader)
-    if len(timer.seconds) != warmup + steps:
-        raise RuntimeError(f"{preset}: {len(timer.seconds)} steps ran, {warmup + steps} expected")
-
-    step_s = statistics.median(timer.seconds[warmup:])
+    if len(timer.seconds) != warmup + steps + profiled:
+        raise RuntimeError(f"{preset}: {len(timer.seconds)} steps ran, {warmup + steps + profiled} expected")
+    timed = slice(warmup, warmup + steps)
+    step_s = statistics.median(timer.seconds[timed])
     flops = step_flops(batch, draft, max(draft.target_layer_ids) + 1)
     sizes = {
         "rows": batch["input_ids"].shape[0],
@@ -239,10 +304,12 @@ def run_preset(
         "target": {"layers": target.num_layers, "layers_run": max(draft.target_layer_ids) + 1},
         "draft": {k: getattr(draft, k) for k in DRAFT_FIELDS},
         "draft_parameters": sum(p.numel() for p in module.draft.parameters()),
+        "fused_head": module.hparams.fused_head,
+        "compile": module.compiled,
         "logits_chunk_rows": module.hparams.logits_chunk_rows,
         "batch": sizes,
         "warmup_steps": warmup,
-        "step_s": timer.seconds,
+        "step_s": timer.seconds[: warmup + steps],
         "step_s_median": step_s,
         "trained_tokens_per_s": sizes["trained_tokens"] / step_s,
         "block_slots_per_s": sizes["block_slots"] / step_s,
@@ -253,6 +320,10 @@ def run_preset(
         "mfu": flops["total"] / step_s / (peak_tflops * 1e12),
         "losses": timer.losses,
     }
+    if timer.phases:
+        result["phases_s_median"] = {p: statistics.median(t[p] for t in timer.phases[timed]) for p in timer.PHASES}
+    if profile:
+        result["profile"] = profile_tables(timer.profiler, profiled)
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return result
@@ -266,6 +337,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 2; --small: 1)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     parser.add_argument("--small", action="store_true", help="tiny targets and data: a CPU smoke test")
+    parser.add_argument("--variant", nargs="+", choices=list(VARIANTS), default=["fast"], help="fast and/or plain")
+    parser.add_argument("--drafter", nargs="+", choices=list(DRAFTERS), default=["dflash2"], help="dflash2/dflash")
+    parser.add_argument("--profile", action="store_true", help="also profile 2 steps: ranges and a kernel table")
     parser.add_argument(
         "--override", nargs="+", default=[], help="Hydra overrides for every preset, e.g. data.max_anchors=256"
     )
@@ -277,24 +351,26 @@ def main(argv: list[str] | None = None) -> dict:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"torch": torch.__version__, "lightning": L.__version__, "runs": []}
-    for preset in args.preset:
+    runs = [(p, d, v) for p in args.preset for d in args.drafter for v in args.variant]
+    for preset, drafter, variant in runs:
+        overrides = DRAFTERS[drafter] + VARIANTS[variant] + args.override
         try:
-            run = run_preset(preset, args.small, steps, warmup, args.peak_tflops, args.override)
+            run = run_preset(preset, args.small, steps, warmup, args.peak_tflops, overrides, args.profile)
         except torch.cuda.OutOfMemoryError as e:
             # The recipe's batch not fitting is itself a result; the other presets still run.
             run = {"preset": preset, "experiment": PRESETS[preset], "error": f"out of memory: {e}"[:1000]}
             print(f"WARNING: {preset}: {run['error']}", file=sys.stderr)
-        result["runs"].append(run)
+        result["runs"].append(run | {"drafter": drafter, "variant": variant})
         gc.collect()  # the Trainer and the module refer to each other: only a collection frees the target
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the next preset's target needs the room
         out.write_text(json.dumps(result, indent=2))  # after each preset: a later failure keeps the earlier ones
 
     columns = ["step_s_median", "trained_tokens_per_s", "context_tokens_per_s", "achieved_tflops", "mfu"]
-    print(f"\n{'preset':>10}  " + "  ".join(f"{c:>{len(c)}}" for c in columns))
+    print(f"\n{'preset':>10} {'drafter':>8} {'variant':>7}  " + "  ".join(f"{c:>{len(c)}}" for c in columns))
     for run in result["runs"]:
         cells = [f"{run[c]:>{len(c)}.4g}" for c in columns] if "error" not in run else [run["error"][:80]]
-        print(f"{run['preset']:>10}  " + "  ".join(cells))
+        print(f"{run['preset']:>10} {run['drafter']:>8} {run['variant']:>7}  " + "  ".join(cells))
     print(f"\nwrote {out}")
     return result
 

@@ -189,16 +189,17 @@ class Rows:
 
 def draft_mask(draft: DFlash2DraftModel, rows: Rows, block_size: int) -> torch.Tensor | dict:
     """Bool [b, 1, B, slots + B]: the block sees every committed context slot and all of itself; on sliding
-    layers only the context of the last `sliding_window` positions."""
+    layers slot k sees the context positions p with (anchor + k) - p < sliding_window (the window counted from
+    each query's own position, as the engines count it)."""
     valid = rows.key_mask.bool()
-    ones = valid.new_ones(valid.shape[0], block_size)
-    full = torch.cat([valid, ones], -1)[:, None, None].expand(-1, 1, block_size, -1)
+    ones = valid.new_ones(valid.shape[0], block_size, block_size)
+    full = torch.cat([valid[:, None].expand(-1, block_size, -1), ones], -1)[:, None]
     cfg = draft.config
     if "sliding_attention" not in cfg.layer_types:
         return full
-    recent = valid & (rows.positions >= rows.lengths[:, None] - cfg.sliding_window)
-    sliding = torch.cat([recent, ones], -1)[:, None, None].expand(-1, 1, block_size, -1)
-    return {"full_attention": full, "sliding_attention": sliding}
+    query = rows.lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
+    recent = valid[:, None] & (query[:, :, None] - rows.positions[:, None] < cfg.sliding_window)
+    return {"full_attention": full, "sliding_attention": torch.cat([recent, ones], -1)[:, None]}
 
 
 def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:

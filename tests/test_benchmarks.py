@@ -134,9 +134,11 @@ def test_flop_formula_matches_the_flop_counter(preset):
     matmuls = matmul_flops(counter.get_flop_counts()["Global"]) - rotary
     flops = bench.step_flops(batch, draft, max(draft.target_layer_ids) + 1)
     trained = int((batch["labels"] != -100).sum())
-    # logits_chunk_rows recomputes the head's forward in the backward: hardware work the formula leaves out.
-    recomputed = 2 * trained * draft.hidden_size * draft.vocab_size if module.hparams.logits_chunk_rows else 0
-    assert matmuls == flops["target_matmul"] + flops["draft_matmul"] + recomputed
+    # The fused head sends the top-K values' gradient back through W[cand] (a bmm the plain head folds into its
+    # logits' gradient): hardware work the formula leaves out.
+    top_k = draft.selector_top_k if module.hparams.fused_head else 0
+    extra = 2 * trained * top_k * draft.hidden_size
+    assert matmuls == flops["target_matmul"] + flops["draft_matmul"] + extra
 
     b, length = batch["input_ids"].shape
     mask = dense_block_mask(batch["anchors"], batch["anchor_valid"], length, draft.block_size, batch["attention_mask"])

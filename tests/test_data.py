@@ -21,7 +21,7 @@ from dflash2.data import (
     render,
     sample_anchors,
 )
-from dflash2.data.anchors import anchor_count, block_mask_mod
+from dflash2.data.anchors import block_mask_mod
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -212,17 +212,17 @@ def random_mask(length: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor(mask[:length])
 
 
-def test_anchors_are_distinct_sorted_trainable_and_scaled():
+def test_anchors_are_distinct_sorted_trainable_and_as_many_as_allowed():
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     for _ in range(20):
         length = int(torch.randint(2, 700, (), generator=gen))
         mask = random_mask(length, gen)
         max_anchors = int(torch.randint(1, 600, (), generator=gen))
-        anchors = sample_anchors(mask, max_anchors, seq_len_ref=512, generator=gen).tolist()
+        anchors = sample_anchors(mask, max_anchors, generator=gen).tolist()
         valid = [a for a in range(length - 1) if mask[a] and mask[a + 1]]
         assert anchors == sorted(set(anchors)) and set(anchors) <= set(valid)
-        assert len(anchors) == min(len(valid), max(1, round(max_anchors * length / 512)))
-    assert anchor_count(3072, 512) == 512 and anchor_count(300, 512) == 50 and anchor_count(1, 512) == 1
+        # A fixed count per sequence, whatever its length: every trainable position when there are fewer.
+        assert len(anchors) == min(len(valid), max_anchors)
 
 
 def test_anchors_are_resampled():
@@ -239,7 +239,7 @@ def test_labels_are_the_tokens_at_the_same_position():
     ids = torch.randperm(1000, generator=gen)[:length]  # distinct, so a shifted label cannot match by luck
     mask = random_mask(length, gen)
     mask[-3:] = 1
-    anchors = torch.cat([sample_anchors(mask, 30, 120, gen), torch.tensor([length - 2])]).unique()
+    anchors = torch.cat([sample_anchors(mask, 30, gen), torch.tensor([length - 2])]).unique()
     labels = block_labels(ids, mask, anchors, block_size)
     for j, a in enumerate(anchors.tolist()):
         for k in range(1, block_size):
@@ -254,7 +254,9 @@ def test_labels_are_the_tokens_at_the_same_position():
 # --- the block-sparse mask -----------------------------------------------------------------------------------
 
 
-def brute_force_mask(anchors, valid, lengths, context_len, block_size):
+def brute_force_mask(anchors, valid, lengths, context_len, block_size, window=None):
+    """Slot q % B of block j sits at position anchor_j + q % B; on a sliding layer it sees context p only when
+    that position minus p is under the window."""
     b, n = anchors.shape
     out = torch.zeros(b, 1, n * block_size, context_len + n * block_size, dtype=torch.bool)
     for i in range(b):
@@ -262,7 +264,8 @@ def brute_force_mask(anchors, valid, lengths, context_len, block_size):
             j = q // block_size
             for kv in range(context_len + n * block_size):
                 if kv < context_len:
-                    out[i, 0, q, kv] = bool(valid[i, j]) and kv < anchors[i, j] and kv < lengths[i]
+                    near = window is None or anchors[i, j] + q % block_size - kv < window
+                    out[i, 0, q, kv] = bool(valid[i, j]) and kv < anchors[i, j] and kv < lengths[i] and near
                 else:
                     out[i, 0, q, kv] = (kv - context_len) // block_size == j
     return out
@@ -271,7 +274,7 @@ def brute_force_mask(anchors, valid, lengths, context_len, block_size):
 def random_blocks(gen, batch=3, context_len=37, block_size=4):
     lengths = torch.randint(2, context_len + 1, (batch,), generator=gen)
     lengths[0] = context_len
-    rows = [sample_anchors(torch.ones(int(n)), 12, 37, gen) for n in lengths]
+    rows = [sample_anchors(torch.ones(int(n)), int(torch.randint(1, 13, (), generator=gen)), gen) for n in lengths]
     n = max(len(r) for r in rows)
     anchors = torch.zeros(batch, n, dtype=torch.long)
     valid = torch.zeros(batch, n, dtype=torch.bool)
@@ -281,20 +284,26 @@ def random_blocks(gen, batch=3, context_len=37, block_size=4):
     return anchors, valid, lengths, context_valid
 
 
-def test_dense_and_flex_masks_match_brute_force():
+@pytest.mark.parametrize("sliding", [False, True])
+def test_dense_and_flex_masks_match_brute_force(sliding):
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     context_len, block_size = 37, 4
+    window = int(torch.randint(block_size, 20, (), generator=gen)) if sliding else None
     anchors, valid, lengths, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
-    want = brute_force_mask(anchors, valid, lengths, context_len, block_size)
-    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid)
+    want = brute_force_mask(anchors, valid, lengths, context_len, block_size, window)
+    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid, window)
     assert torch.equal(dense, want)
     assert dense.any(-1).all()  # every query (padded blocks included) sees at least its own block
     # Right padding: with anchors inside each row, omitting context_valid changes nothing.
-    assert torch.equal(dense_block_mask(anchors, valid, context_len, block_size), want)
+    assert torch.equal(dense_block_mask(anchors, valid, context_len, block_size, window=window), want)
+    if sliding:  # the window bites: some context an unwindowed block would see is cut
+        assert not torch.equal(want, brute_force_mask(anchors, valid, lengths, context_len, block_size))
 
     b, n = anchors.shape
     q_len, kv_len = n * block_size, context_len + n * block_size
-    block_mask = flex_block_mask(anchors, valid, context_len, block_size, context_valid, device="cpu", BLOCK_SIZE=16)
+    block_mask = flex_block_mask(
+        anchors, valid, context_len, block_size, context_valid, window, device="cpu", BLOCK_SIZE=16
+    )
     assert torch.equal(create_mask(block_mask.mask_mod, b, 1, q_len, kv_len, device="cpu"), want)
     # The block-level sparsity must not drop a tile that holds a visible key.
     tiles = block_mask.to_dense()[:, :, : -(-q_len // 16), : -(-kv_len // 16)].bool()
@@ -303,7 +312,8 @@ def test_dense_and_flex_masks_match_brute_force():
     assert (tiles | ~needed).all()
     limit = torch.where(valid, anchors, 0)
     known = torch.cat([context_valid, torch.zeros(b, q_len, dtype=torch.bool)], 1)
-    assert torch.equal(create_mask(block_mask_mod(limit, known, context_len, block_size), b, 1, q_len, kv_len), want)
+    mod = block_mask_mod(limit, known, context_len, block_size, window)
+    assert torch.equal(create_mask(mod, b, 1, q_len, kv_len), want)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -332,7 +342,6 @@ def make_module(tokenizer, path, cache, **kwargs):
         mask_token_id=3,
         max_length=96,
         max_anchors=24,
-        anchor_seq_len=96,
         val_size=4,
         batch_size=3,
         cache_dir=cache,
@@ -379,7 +388,6 @@ def test_train_anchors_change_and_validation_anchors_do_not(tokenizer, tmp_path,
         cache,
         max_length=200,
         max_anchors=8,
-        anchor_seq_len=200,
     )
     dm.setup("fit")
     train = dm.train_dataloader().dataset

@@ -1,9 +1,5 @@
 """Speculative decoding is lossless: greedy output is the target's own, sampled output follows its distribution."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels then run on the CPU
-
 import pytest
 import torch
 from fresh_forward import fresh_block_output
@@ -17,6 +13,16 @@ from dflash2.target import TargetModel
 DRAFT_KINDS = {
     "dflash": dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0),
     "dflash2": dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
+    # A window shorter than the prompts plus outputs, so that the sliding layer's queries lose context.
+    "sliding": dict(
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=4,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=9,
+    ),
 }
 
 
@@ -123,6 +129,7 @@ MAX_NEW = 16
         ("dflash2", 8, False),
         ("dflash", 4, True),
         ("dflash2", 8, True),
+        ("sliding", 8, True),
     ],
 )
 def test_greedy_speculative_output_is_the_targets_greedy_output(

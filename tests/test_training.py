@@ -11,7 +11,7 @@ from fresh_forward import fresh_block_output
 from training_setup import config
 
 from dflash2.training import DFlash2Module, draft_losses, loss_gamma, slot_weights
-from dflash2.training.losses import head_pass, summarise
+from dflash2.training.losses import fused_head, plain_head, summarise
 from dflash2.training.run import build_data, draft_config_for
 
 
@@ -60,24 +60,56 @@ def test_gamma_published_points_and_slot_weights():
     )
 
 
-def test_one_head_pass_matches_the_selector_and_chunking():
-    from dflash2.selector import CandidateSelector
+def test_head_outputs_are_the_selectors_candidates():
+    from dflash2.selector import CandidateSelector, softcap
 
     v, h, n = 300, 24, random.randint(20, 40)
     sel = CandidateSelector(h, v, rank=8, top_k=8, output_multiplier=0.7, final_logit_softcapping=5.0)
-    head, hidden = torch.randn(v, h), torch.randn(n, h, requires_grad=True)
+    head, hidden = torch.randn(v, h), torch.randn(n, h)
     labels = torch.randint(0, v, (n,))
-    ce, pred, vals, cand = head_pass(hidden, labels, head, v, top_k=8)
-    ref_cand, ref_unary = sel.compute_candidates(hidden, head)
-    from dflash2.selector import softcap
+    for out in (plain_head(hidden, labels, torch.ones(n), head, 8), fused_head(hidden, labels, torch.ones(n), head, 8)):
+        ref_cand, ref_unary = sel.compute_candidates(hidden, head)
+        assert torch.equal(out.cand, ref_cand) and torch.allclose(softcap(out.vals * 0.7, 5.0), ref_unary)
+        assert torch.equal(out.pred, ref_cand[:, 0])
 
-    assert torch.equal(cand, ref_cand)
-    assert torch.allclose(softcap(vals * 0.7, 5.0), ref_unary)
-    grad = torch.autograd.grad(ce.sum() + vals.sum(), hidden)[0]
-    chunked = head_pass(hidden, labels, head, v, top_k=8, chunk_rows=7)
-    for a, b in zip(chunked, (ce, pred, vals, cand), strict=True):
-        assert torch.allclose(a.float(), b.float(), atol=1e-5)
-    assert torch.allclose(torch.autograd.grad(chunked[0].sum() + chunked[2].sum(), hidden)[0], grad, atol=1e-5)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_matches_the_plain_head_in_loss_and_gradients(dtype):
+    """Fresh random rows, weights, labels and upstream gradients; chunks that do not divide the rows."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    v, h, n, k = 500, 32, int(torch.randint(40, 90, (), generator=gen)), 8
+    head = torch.randn(v, h, generator=gen).to(dtype)
+    hidden = torch.randn(n, h, generator=gen, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    weights = torch.rand(n, generator=gen)
+    weights = weights / weights.sum()
+    # Two upstream gradients as the objective has them: the loss's scalar and the selector's pull on the top-K values.
+    g_loss, g_vals = torch.rand((), generator=gen) + 0.5, torch.randn(n, k, generator=gen)
+    results = []
+    for out in (
+        plain_head(hidden, labels, weights, head, k),
+        fused_head(hidden, labels, weights, head, k, chunk_rows=int(torch.randint(5, 30, (), generator=gen))),
+    ):
+        (grad,) = torch.autograd.grad(out.loss * g_loss + (out.vals.float() * g_vals).sum(), hidden)
+        results.append((out, grad))
+    (plain, g_plain), (fused, g_fused) = results
+    assert torch.allclose(fused.loss, plain.loss, rtol=1e-3 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.allclose(fused.ce_rows, plain.ce_rows, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.pred, plain.pred) and torch.equal(fused.cand, plain.cand)
+    assert torch.allclose(fused.vals.float(), plain.vals.float())
+    # bf16 rounds the logits' gradient once in the plain path, twice (CE part, top-K part) in the fused one.
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (g_fused - g_plain).norm() <= tol * g_plain.norm()
+
+
+def test_fused_head_without_grad_and_without_top_k():
+    v, h, n = 200, 16, 33
+    head, hidden, labels = torch.randn(v, h), torch.randn(n, h), torch.randint(0, v, (n,))
+    with torch.no_grad():
+        out = fused_head(hidden.requires_grad_(), labels, torch.full((n,), 1 / n), head, 0, chunk_rows=10)
+    ref = plain_head(hidden, labels, torch.full((n,), 1 / n), head, 0)
+    assert out.vals is None and out.cand is None and not out.loss.requires_grad
+    assert torch.allclose(out.loss, ref.loss.detach()) and torch.equal(out.pred, ref.pred)
 
 
 def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
@@ -130,6 +162,45 @@ def test_accuracy_scores_the_walk_that_decoding_runs():
     assert torch.equal(fresh.counts["correct"], fresh.counts["correct_top1"]) and fresh.counts["correct"].sum() > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile's fast path runs on CUDA")
+@pytest.mark.parametrize("drafter", ["dflash2", "dflash"])
+def test_fast_path_matches_the_plain_path_on_cuda(parts, chats, tmp_path, drafter):
+    """The fused head + compiled drafter, head chunks and mask against eager PyTorch over whole logits, as trained:
+    bf16 autocast, random weights (conv and selector away from their inert init), the same batch."""
+    cfg, target = parts[0], parts[1].to("cuda")
+    try:
+        _compare_fast_and_plain(cfg, target, parts[3], chats, tmp_path, drafter)
+    finally:
+        target.to("cpu")  # the other tests share this target
+
+
+def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
+    overrides = () if drafter == "dflash2" else ("draft=dflash",)
+    draft_config = draft_config_for(target, cfg.model, config(chats, tmp_path, *overrides).draft)
+    plain = DFlash2Module(target, draft_config.to_dict(), fused_head=False).cuda()
+    fast = DFlash2Module(target, draft_config.to_dict(), fused_head=True, logits_chunk_rows=37, compile=True).cuda()
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    with torch.no_grad():
+        for p in plain.draft.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    fast.draft.load_state_dict(plain.draft.state_dict())
+    fast.compile_draft()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    results = []
+    for module in (plain, fast):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module.draft_step(batch)
+            loss = out.ce + (out.selector if out.selector is not None else 0)
+        grads = torch.autograd.grad(loss, [p for p in module.draft.parameters() if p.requires_grad])
+        results.append((out, grads))
+    (p_out, p_grads), (f_out, f_grads) = results
+    torch.testing.assert_close(f_out.ce, p_out.ce, rtol=1e-3, atol=0)
+    if drafter == "dflash2":
+        torch.testing.assert_close(f_out.selector, p_out.selector, rtol=1e-3, atol=1e-4)
+    for f, p in zip(f_grads, p_grads, strict=True):
+        assert (f - p).norm() <= 2e-2 * p.norm() + 1e-6, ((f - p).norm(), p.norm())
+
+
 # ---------------------------------------------------------------------- the module on the tiny target
 def test_loss_decreases(parts):
     torch.manual_seed(random.randint(0, 2**31))
@@ -167,13 +238,17 @@ def test_labels_are_the_same_position_tokens(parts):
     assert acc(right) > 0.95 and acc(wrong) < 0.3, (acc(right), acc(wrong))
 
 
-def test_training_blocks_are_what_decoding_computes(parts):
+@pytest.mark.parametrize("sliding", [False, True])
+def test_training_blocks_are_what_decoding_computes(parts, sliding):
     """Each training block (a padded batch, many anchors in one masked pass) must give the drafter's output that
     decoding computes at that anchor: one uncached forward of [anchor, MASK, ...] over the target's features of
     exactly the tokens before it (tests/test_speculative.py ties the cached decode loop to that forward). Any
     shifted position, context or label between training and serving fails here."""
-    _, target, _, batch = parts
-    module = module_for(parts)
+    cfg, target, draft_config, batch = parts
+    if sliding:  # a window well under the chats' lengths, on the first of two layers
+        layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=11)
+        draft_config = draft_config.replace(**layers)
+    module = DFlash2Module(target, draft_config.to_dict())
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     with torch.no_grad():  # random weights everywhere: the conv and selector are not at their inert init
         for p in module.draft.parameters():

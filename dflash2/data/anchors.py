@@ -18,21 +18,13 @@ def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:]).flatten()
 
 
-def anchor_count(length: int, max_anchors: int, seq_len_ref: int = 3072) -> int:
-    """max_anchors for a seq_len_ref-token sequence, proportionally fewer (at least 1) for a shorter one."""
-    return max(1, round(max_anchors * length / seq_len_ref))
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """min(max_anchors, #valid) distinct sorted anchors among `valid_anchor_positions(loss_mask [L])`.
 
-
-def sample_anchors(
-    loss_mask: torch.Tensor,
-    max_anchors: int,
-    seq_len_ref: int = 3072,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Distinct sorted anchors among `valid_anchor_positions(loss_mask [L])`, as many as `anchor_count` allows."""
+    A fixed count per sequence, not one proportional to its length: each target forward then supervises as many
+    blocks as its replies allow (SpecForge and the DFlash paper draw the same way)."""
     valid = valid_anchor_positions(loss_mask)
-    count = min(len(valid), anchor_count(loss_mask.shape[-1], max_anchors, seq_len_ref))
-    pick = torch.randperm(len(valid), generator=generator)[:count]
+    pick = torch.randperm(len(valid), generator=generator)[:max_anchors]
     return valid[pick].sort().values
 
 
@@ -98,14 +90,19 @@ def dense_block_mask(
     context_len: int,
     block_size: int,
     context_valid: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """bool [b, 1, n*B, L + n*B], True = attend (keys: L context tokens, then the blocks)."""
+    """bool [b, 1, n*B, L + n*B], True = attend (keys: L context tokens, then the blocks). `window` (a sliding layer):
+    slot k of the block at anchor a sees only the context positions p with (a + k) - p < window, as the engines'
+    sliding layers count it from each query's own position."""
     b, n = anchors.shape
     q = torch.arange(n * block_size, device=anchors.device)
     kv = torch.arange(context_len + n * block_size, device=anchors.device)
     limit = torch.where(anchor_valid.bool(), anchors, 0).repeat_interleave(block_size, dim=1)  # [b, q]
     known = _key_visible(context_valid, b, context_len, len(kv), anchors.device)
     context = (kv[None, None, :] < limit[:, :, None]) & known[:, None, :]
+    if window is not None:
+        context &= (limit + q % block_size)[:, :, None] - kv[None, None, :] < window
     same_block = (kv[None, :] >= context_len) & (
         (kv[None, :] - context_len) // block_size == (q // block_size)[:, None]
     )
@@ -118,10 +115,15 @@ def flex_block_mask(
     context_len: int,
     block_size: int,
     context_valid: torch.Tensor | None = None,
+    window: int | None = None,
     device: torch.device | str | None = None,
-    BLOCK_SIZE: int | tuple[int, int] = 128,
-):  # noqa: N803 (flex attention's name)
-    """The same mask as `dense_block_mask`, as a flex attention BlockMask (device defaults to anchors')."""
+    BLOCK_SIZE: int | tuple[int, int] = 128,  # noqa: N803 (flex attention's name)
+    compiled: bool = False,
+):
+    """The same mask as `dense_block_mask`, as a flex attention BlockMask (device defaults to anchors').
+
+    `compiled`: build it with a compiled mask_mod; eagerly, create_block_mask evaluates the mask at every (query, key)
+    pair of the batch, gigabytes of intermediates at training lengths."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     device = anchors.device if device is None else torch.device(device)
@@ -129,18 +131,30 @@ def flex_block_mask(
     total = context_len + n * block_size
     limit = torch.where(anchor_valid.bool(), anchors, 0).to(device)
     known = _key_visible(context_valid, b, context_len, total, device)
-    mask_mod = block_mask_mod(limit, known, context_len, block_size)
+    mask_mod = block_mask_mod(limit, known, context_len, block_size, window)
     return create_block_mask(
-        mask_mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=total, device=device, BLOCK_SIZE=BLOCK_SIZE
+        mask_mod,
+        B=b,
+        H=None,
+        Q_LEN=n * block_size,
+        KV_LEN=total,
+        device=device,
+        BLOCK_SIZE=BLOCK_SIZE,
+        _compile=compiled,
     )
 
 
-def block_mask_mod(limit: torch.Tensor, known: torch.Tensor, context_len: int, block_size: int):
-    """flex attention mask_mod: `limit` [b, n] = anchor (0 for padded blocks), `known` [b, L + n*B] = key exists."""
+def block_mask_mod(
+    limit: torch.Tensor, known: torch.Tensor, context_len: int, block_size: int, window: int | None = None
+):
+    """flex attention mask_mod: `limit` [b, n] = anchor (0 for padded blocks), `known` [b, L + n*B] = key exists,
+    `window` as in `dense_block_mask`."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
         context = (kv_idx < limit[b, block]) & known[b, kv_idx]
+        if window is not None:
+            context = context & (limit[b, block] + q_idx % block_size - kv_idx < window)
         same_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return context | same_block
 

@@ -23,9 +23,9 @@ class AnchoredRows(Dataset):
     """Token rows whose anchors are drawn at fetch time: fresh ones on every training fetch (so every epoch),
     fixed ones per index for validation (so validation metrics are comparable across steps)."""
 
-    def __init__(self, rows: datasets.Dataset, max_anchors: int, seq_len_ref: int, seed: int | None):
+    def __init__(self, rows: datasets.Dataset, max_anchors: int, seed: int | None):
         self.rows = rows.with_format("torch", columns=["input_ids", "loss_mask"])
-        self.max_anchors, self.seq_len_ref, self.seed = max_anchors, seq_len_ref, seed
+        self.max_anchors, self.seed = max_anchors, seed
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -34,7 +34,7 @@ class AnchoredRows(Dataset):
         row = self.rows[index]
         # Training draws from torch's global RNG, which Lightning seeds per run and per dataloader worker.
         generator = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        anchors = sample_anchors(row["loss_mask"], self.max_anchors, self.seq_len_ref, generator)
+        anchors = sample_anchors(row["loss_mask"], self.max_anchors, generator)
         return {
             "input_ids": row["input_ids"].long(),
             "loss_mask": row["loss_mask"].long(),
@@ -89,7 +89,6 @@ class DFlashDataModule(L.LightningDataModule):
         limit: int | None = None,
         max_length: int = 3072,
         max_anchors: int = 512,
-        anchor_seq_len: int = 3072,
         val_size: int | float = 0.05,
         batch_size: int = 1,
         num_workers: int = 0,
@@ -171,7 +170,7 @@ class DFlashDataModule(L.LightningDataModule):
 
     def _loader(self, rows: datasets.Dataset, train: bool) -> StatefulDataLoader:
         h = self.hparams
-        data = AnchoredRows(rows, h.max_anchors, h.anchor_seq_len, seed=None if train else h.seed)
+        data = AnchoredRows(rows, h.max_anchors, seed=None if train else h.seed)
         return StatefulDataLoader(
             data,
             batch_size=h.batch_size,

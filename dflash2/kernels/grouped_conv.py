@@ -169,5 +169,8 @@ def grouped_conv(
 ) -> torch.Tensor:
     """hidden [N, H], delta [N, T, H // group_size], base [T, H] -> [N, H] in hidden's dtype (contract section 4)."""
     _check(hidden, delta, base, block_size, group_size)
+    if torch.compiler.is_compiling():
+        # Under torch.compile inductor generates fused kernels for the reference, forward and backward alike.
+        return grouped_conv_reference(hidden, delta, base, block_size, group_size)
     triton_forward = use_triton(hidden, _grouped_conv_kernel)
     return _GroupedConv.apply(hidden, delta, base, block_size, group_size, triton_forward)

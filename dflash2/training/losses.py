@@ -13,11 +13,11 @@ with the selector off, is `tau_sim_top1`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from dflash2.selector import CandidateSelector, head_logits, softcap
 
@@ -66,38 +66,105 @@ class DraftLosses:
     counts: dict[str, torch.Tensor]
 
 
-def _head_pass(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: torch.Tensor, vocab_size: int, top_k: int
-) -> tuple[torch.Tensor, ...]:
-    logits = head_logits(hidden, lm_head_weight, vocab_size)
-    ce = F.cross_entropy(logits, labels, reduction="none")
+@dataclasses.dataclass
+class HeadOut:
+    """One pass of the target head over the trained rows: the weighted CE (with grad), the per-row CE (detached),
+    the argmax, and, with a selector, the top-K logits (with grad) and their ids."""
+
+    loss: torch.Tensor
+    ce_rows: torch.Tensor
+    pred: torch.Tensor
+    vals: torch.Tensor | None = None
+    cand: torch.Tensor | None = None
+
+
+def plain_head(
+    hidden: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, lm_head_weight: torch.Tensor, top_k: int
+) -> HeadOut:
+    """The reference: the whole [N, V] fp32 logits at once, autograd through them."""
+    logits = head_logits(hidden, lm_head_weight, lm_head_weight.shape[0])
+    ce_rows = F.cross_entropy(logits, labels, reduction="none")
+    out = HeadOut((ce_rows * row_weights).sum(), ce_rows.detach(), logits.argmax(-1))
+    if top_k:
+        out.vals, out.cand = logits.topk(top_k, dim=-1)
+    return out
+
+
+def _chunk(
+    hidden: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, weight: torch.Tensor, top_k: int, grad: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """One chunk of rows: what `plain_head` computes from its logits, plus d(sum_i w_i ce_i)/d hidden."""
+    logits = (hidden.to(weight.dtype) @ weight.T).float()
+    lse = torch.logsumexp(logits, -1)
+    ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
     pred = logits.argmax(-1)
-    if not top_k:
-        return ce, pred
-    vals, cand = logits.topk(top_k, dim=-1)
-    return ce, pred, vals, cand
+    vals, cand = logits.topk(top_k, dim=-1) if top_k else (None, None)
+    grad_hidden = None
+    if grad:  # d ce / d logits = softmax - onehot(label), weighted per row, then back through the head's matmul
+        grad_logits = torch.exp(logits - lse[:, None])
+        grad_logits.scatter_add_(-1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+        grad_hidden = (grad_logits * row_weights[:, None]).to(weight.dtype) @ weight
+    return ce, pred, vals, cand, grad_hidden
 
 
-def head_pass(
+@functools.cache
+def _compiled_chunk():
+    return torch.compile(_chunk, dynamic=True)
+
+
+class _FusedHead(torch.autograd.Function):
+    """`plain_head` chunk by chunk, never holding more than one chunk of logits: the CE's gradient is computed in the
+    forward pass (it is known there, as the loss is a fixed weighted sum), so the backward only scales it and adds
+    the top-K values' part, whose logits are rows of the head (W[cand])."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, row_weights, weight, top_k, chunk_rows, compiled, grad):
+        run = _compiled_chunk() if compiled else _chunk
+        with torch.no_grad():
+            parts = [
+                run(h, y, w, weight, top_k, grad)
+                for h, y, w in zip(
+                    hidden.split(chunk_rows), labels.split(chunk_rows), row_weights.split(chunk_rows), strict=True
+                )
+            ]
+        ce, pred, vals, cand, grad_hidden = (
+            torch.cat(p) if p[0] is not None else None for p in zip(*parts, strict=True)
+        )
+        ctx.save_for_backward(grad_hidden, cand, weight)
+        ctx.hidden_dtype, ctx.chunk_rows = hidden.dtype, chunk_rows
+        ctx.mark_non_differentiable(ce, pred, *([cand] if top_k else []))
+        loss = (ce * row_weights).sum()
+        return loss, ce, pred, vals, cand
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _ce, _pred, grad_vals, _cand):
+        grad_hidden, cand, weight = ctx.saved_tensors
+        grad = grad_hidden.float() * grad_loss
+        if grad_vals is not None:  # d vals[i, k] / d hidden[i] = W[cand[i, k]], gathered a chunk at a time
+            for rows in torch.arange(len(cand), device=cand.device).split(ctx.chunk_rows):
+                g = grad_vals[rows].to(weight.dtype)
+                grad[rows] += torch.einsum("nk,nkh->nh", g, weight[cand[rows]]).float()
+        return grad.to(ctx.hidden_dtype), None, None, None, None, None, None, None
+
+
+def fused_head(
     hidden: torch.Tensor,
     labels: torch.Tensor,
+    row_weights: torch.Tensor,
     lm_head_weight: torch.Tensor,
-    vocab_size: int,
-    top_k: int = 0,
+    top_k: int,
     chunk_rows: int = 0,
-) -> tuple[torch.Tensor, ...]:
-    """rows [N, H] -> (ce [N], argmax [N], top-K values [N, K], top-K ids [N, K]) from one head matmul.
-
-    With more rows than `chunk_rows` (> 0) the rows go through in chunks whose logits are recomputed in the
-    backward pass instead of kept, which bounds memory by one chunk of [chunk_rows, V] logits.
-    """
-    if chunk_rows <= 0 or hidden.shape[0] <= chunk_rows:
-        return _head_pass(hidden, labels, lm_head_weight, vocab_size, top_k)
-    parts = [
-        checkpoint(_head_pass, h, y, lm_head_weight, vocab_size, top_k, use_reentrant=False)
-        for h, y in zip(hidden.split(chunk_rows), labels.split(chunk_rows), strict=True)
-    ]
-    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+    compiled: bool = False,
+) -> HeadOut:
+    """What `plain_head` returns, in chunks of `chunk_rows` rows (0: as many as 1 GiB of fp32 logits holds)."""
+    if chunk_rows <= 0:
+        chunk_rows = max(1, 2**30 // (4 * lm_head_weight.shape[0]))
+    grad = hidden.requires_grad and torch.is_grad_enabled()  # Function.forward itself runs without grad
+    loss, ce, pred, vals, cand = _FusedHead.apply(
+        hidden, labels, row_weights, lm_head_weight, top_k, chunk_rows, compiled, grad
+    )
+    return HeadOut(loss, ce, pred, vals, cand)
 
 
 def draft_losses(
@@ -109,12 +176,15 @@ def draft_losses(
     weights: torch.Tensor,
     selector: CandidateSelector | None = None,
     selector_detach: bool = False,
+    fused: bool = True,
     chunk_rows: int = 0,
+    compiled: bool = False,
 ) -> DraftLosses:
     """Losses of the proposing slots.
 
     hidden [b, n, B-1, H]: draft output at slots 1..B-1 of n blocks; labels [b, n, B-1]: slot k's gold is
-    the token at anchor + k (IGNORE where it is not trained); anchor_ids [b, n]; weights [B-1].
+    the token at anchor + k (IGNORE where it is not trained); anchor_ids [b, n]; weights [B-1]. `fused` runs the
+    head through `fused_head` (chunks of `chunk_rows`, `compiled` by torch.compile), else through `plain_head`.
     """
     slots = labels.shape[-1]
     valid = labels != IGNORE
@@ -125,22 +195,25 @@ def draft_losses(
     h, y, k, prev = hidden[valid], labels[valid], slot[valid], previous[valid]
     w = weights.to(h.device)[k]
     top_k = selector.top_k if selector is not None else 0
-    out = head_pass(h, y, lm_head_weight, vocab_size, top_k, chunk_rows)
-    ce_rows, pred = out[0], out[1]
     w_sum = w.sum()
-    ce = (ce_rows * w).sum() / w_sum.clamp_min(1e-6)
+    head = lm_head_weight[:vocab_size]  # rows past the real vocabulary are padding
+    if fused:
+        out = fused_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k, chunk_rows, compiled)
+    else:
+        out = plain_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k)
+    ce, ce_rows, pred = out.loss, out.ce_rows, out.pred
 
     per_slot = torch.zeros(slots, device=h.device)
     counts = {
         "correct": per_slot.index_add(0, k, (pred == y).float()),
         "total": per_slot.index_add(0, k, torch.ones_like(w)),
-        "ce_sum": (ce_rows.detach() * w).sum(),
+        "ce_sum": (ce_rows * w).sum(),
         "weight_sum": w_sum,
     }
     if selector is None:
         return DraftLosses(ce, None, counts)
 
-    vals, cand = out[2], out[3]
+    vals, cand = out.vals, out.cand
     if selector_detach:  # the selector learns on top of the backbone without steering it
         vals, h = vals.detach(), h.detach()
     unary = softcap(vals.float() * selector.output_multiplier, selector.final_logit_softcapping)
@@ -169,25 +242,33 @@ def draft_losses(
     return DraftLosses(ce, sel, counts)
 
 
-def summarise(counts: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Counts (summed over any number of batches) -> the metrics of contract section 8."""
+def metric_tensors(counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Counts (summed over any number of batches) -> the metrics of contract section 8, as 0-d tensors on the counts'
+    device (reading them is a device sync: the training step logs them as they are)."""
     total = counts["total"].double()
 
     def accuracy(correct: torch.Tensor) -> torch.Tensor:
         return torch.where(total > 0, correct.double() / total.clamp_min(1), torch.zeros_like(total))
 
     acc = accuracy(counts["correct"])
-    out = {f"acc_{k + 1}": float(a) for k, a in enumerate(acc)}
-    out["tau_sim"] = 1.0 + float(torch.cumprod(acc, 0).sum())
+    out = {f"acc_{k + 1}": a for k, a in enumerate(acc.unbind())}
+    out["tau_sim"] = 1.0 + torch.cumprod(acc, 0).sum()
     if "correct_top1" in counts:
-        out["tau_sim_top1"] = 1.0 + float(torch.cumprod(accuracy(counts["correct_top1"]), 0).sum())
-    out["loss_ce"] = float(counts["ce_sum"] / counts["weight_sum"].clamp_min(1e-6))
+        out["tau_sim_top1"] = 1.0 + torch.cumprod(accuracy(counts["correct_top1"]), 0).sum()
+    out["loss_ce"] = counts["ce_sum"].double() / counts["weight_sum"].double().clamp_min(1e-6)
     if "topk_hit" in counts:
         out["topk_recall"] = _ratio(counts["topk_hit"], counts["topk_total"])
         out["selector_acc"] = _ratio(counts["selector_hit"], counts["selector_total"])
-        out["loss_selector"] = float(counts["selector_sum"] / counts["selector_weight_sum"].clamp_min(1e-6))
+        out["loss_selector"] = counts["selector_sum"].double() / counts["selector_weight_sum"].double().clamp_min(1e-6)
     return out
 
 
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
-    return float(num / den) if float(den) > 0 else math.nan
+def summarise(counts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`metric_tensors` as Python floats."""
+    return {k: float(v) for k, v in metric_tensors(counts).items()}
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, NaN when den is 0 (no such rows in the batch)."""
+    den = den.double()
+    return torch.where(den > 0, num.double() / den.clamp_min(1e-12), torch.full_like(den, math.nan))

@@ -13,12 +13,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.profiler import record_function
 from torchmetrics import Metric
 
 from dflash2.config import DFLASH_FIELDS, DFlash2Config
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
-from dflash2.training.losses import draft_losses, selector_alpha, slot_weights, summarise
+from dflash2.training.losses import draft_losses, metric_tensors, selector_alpha, slot_weights, summarise
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ class DFlash2Module(L.LightningModule):
         selector_warmup_steps: int = 0,
         selector_ramp_steps: int = 0,
         selector_detach: bool = False,
+        fused_head: bool = True,
         logits_chunk_rows: int = 0,
+        compile: bool = False,
         manifest: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -102,18 +105,34 @@ class DFlash2Module(L.LightningModule):
         # Here, not in on_*_start hooks: those run under inference mode, and a target moved there would hold
         # inference tensors that autograd refuses to save (its head is in the drafter's graph).
         self.target.to(self.trainer.strategy.root_device)
+        self.compile_draft()
+
+    def compile_draft(self) -> None:
+        if self.compiled and not getattr(self.draft, "_compiled_call_impl", None):
+            # In place (nn.Module.compile): the parameter names, hence checkpoints and exports, stay the contract's.
+            # Dynamic shapes: rows, anchors and lengths change from batch to batch.
+            self.draft.compile(dynamic=True)
+
+    @property
+    def compiled(self) -> bool:
+        """torch.compile the drafter, the head's chunks and the mask construction: on CUDA only (inductor's CPU code
+        for flex attention does not build, and CPU tests run the same math eagerly)."""
+        return bool(self.hparams.get("compile")) and self.device.type == "cuda"
 
     def block_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Teacher-forced draft output at the proposing slots 1..B-1 of every block: [b, n, B-1, H]."""
         cfg = self.draft.config
         b, length = batch["input_ids"].shape
         n = batch["anchors"].shape[1]
-        features = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False).hidden
-        context = self.draft.fuse(features)
-        block_embeds = self.target.embed_tokens(batch["block_ids"])
-        context_positions = torch.arange(length, device=self.device).expand(b, length)
-        mask = block_attention_mask(batch, length, cfg.block_size)
-        hidden = self.draft(block_embeds, batch["block_positions"], context, context_positions, mask)
+        with record_function("target"):
+            features = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False).hidden
+            block_embeds = self.target.embed_tokens(batch["block_ids"])
+        with record_function("block_mask"):
+            mask = block_attention_mask(batch, length, cfg, self.compiled)
+        with record_function("draft"):
+            context = self.draft.fuse(features)
+            context_positions = torch.arange(length, device=self.device).expand(b, length)
+            hidden = self.draft(block_embeds, batch["block_positions"], context, context_positions, mask)
         return hidden.view(b, n, cfg.block_size, -1)[:, :, 1:]
 
     def draft_step(self, batch: dict[str, torch.Tensor]):
@@ -123,17 +142,20 @@ class DFlash2Module(L.LightningModule):
         hidden = self.block_hidden(batch)
         labels = batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), -100)
         anchor_ids = batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0]
-        return draft_losses(
-            hidden,
-            labels,
-            anchor_ids,
-            self.target.lm_head_weight,
-            cfg.vocab_size,
-            self.slot_weights,
-            self.draft.candidate_selector,
-            self.hparams.selector_detach,
-            self.hparams.logits_chunk_rows,
-        )
+        with record_function("losses"):
+            return draft_losses(
+                hidden,
+                labels,
+                anchor_ids,
+                self.target.lm_head_weight,
+                cfg.vocab_size,
+                self.slot_weights,
+                self.draft.candidate_selector,
+                self.hparams.selector_detach,
+                fused=self.hparams.get("fused_head", True),
+                chunk_rows=self.hparams.logits_chunk_rows,
+                compiled=self.compiled,
+            )
 
     def current_selector_alpha(self) -> float:
         h = self.hparams
@@ -147,11 +169,12 @@ class DFlash2Module(L.LightningModule):
             alpha = self.current_selector_alpha()
             loss = loss + alpha * out.selector
             logs |= {"loss_selector": out.selector.detach(), "selector_alpha": alpha}
-        stats = summarise(out.counts)
+        # Tensors, not floats: reading them would stall the step on the device; Lightning reads them when it logs.
+        stats = metric_tensors(out.counts)
         stats.pop("loss_ce"), stats.pop("loss_selector", None)
         logs |= {"loss": loss.detach(), **stats}
         self.log_dict(
-            {f"train/{k}": v for k, v in logs.items() if not _isnan(v)},
+            {f"train/{k}": v for k, v in logs.items()},
             on_step=True,
             on_epoch=False,
             prog_bar=False,
@@ -232,12 +255,23 @@ def freeze_backbone(draft: DFlash2DraftModel) -> None:
         )
 
 
-def block_attention_mask(batch: dict[str, torch.Tensor], length: int, block_size: int) -> Any:
-    """The training mask of contract section 7: flex BlockMask on CUDA, the equivalent dense bool mask elsewhere."""
+def block_attention_mask(
+    batch: dict[str, torch.Tensor], length: int, cfg: DFlash2Config, compiled: bool = False
+) -> Any:
+    """The training mask of contract section 7: flex BlockMask on CUDA (built by a compiled mask_mod when `compiled`),
+    the equivalent dense bool mask elsewhere; one per layer type when some draft layers slide."""
     from dflash2.data.anchors import dense_block_mask, flex_block_mask
 
-    args = (batch["anchors"], batch["anchor_valid"], length, block_size, batch["attention_mask"])
-    return flex_block_mask(*args) if batch["anchors"].is_cuda else dense_block_mask(*args)
+    args = (batch["anchors"], batch["anchor_valid"], length, cfg.block_size, batch["attention_mask"])
+
+    def build(window: int | None) -> Any:
+        if batch["anchors"].is_cuda:
+            return flex_block_mask(*args, window=window, compiled=compiled)
+        return dense_block_mask(*args, window=window)
+
+    if "sliding_attention" not in cfg.layer_types:
+        return build(None)
+    return {"full_attention": build(None), "sliding_attention": build(cfg.sliding_window)}
 
 
 def _isnan(v: Any) -> bool:

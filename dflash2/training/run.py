@@ -64,6 +64,8 @@ def draft_config_for(target: Any, model_cfg: DictConfig, draft_cfg: DictConfig) 
         target_layer_ids=list(model_cfg.target_layer_ids) if model_cfg.get("target_layer_ids") else None,
     )
     fields.update({f: int(draft_cfg.get(f) or 0) for f in DRAFT_FIELDS})
+    if draft_cfg.get("layer_types"):
+        fields.update(layer_types=list(draft_cfg.layer_types), sliding_window=draft_cfg.get("sliding_window"))
     if fields["mask_token_id"] is None:
         raise ValueError(
             "model.mask_token_id is not set: pick an id the target's chat never produces "
@@ -144,7 +146,9 @@ def build_module(
         selector_warmup_steps=d.selector_warmup_steps,
         selector_ramp_steps=d.selector_ramp_steps,
         selector_detach=d.selector_detach,
+        fused_head=d.get("fused_head", True),
         logits_chunk_rows=d.get("logits_chunk_rows") or 0,
+        compile=bool(d.get("compile")),
         manifest=manifest,
     )
 
