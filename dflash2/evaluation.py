@@ -163,7 +163,7 @@ def acceptance_stats(accept_lengths: list[list[int]], block_size: int) -> dict[s
 # ---------------------------------------------------------------------------------------------- a run
 def generate_turns(
     target: Any,
-    draft: DFlash2DraftModel | None,
+    draft: DFlash2DraftModel | PromptLookup | None,
     prompts: list[dict],
     settings: dict[str, Any],
     multi_turn: bool,
@@ -198,12 +198,12 @@ def generate_turns(
 
 def decode(
     target: Any,
-    draft: DFlash2DraftModel | None,
+    draft: DFlash2DraftModel | PromptLookup | None,
     prompt_ids: list[list[int]],
     settings: dict[str, Any],
     generator: torch.Generator,
 ) -> list[Generation]:
-    """Speculative decoding, or the target alone when there is no drafter."""
+    """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None."""
     if draft is None:
         return target_generate(target, prompt_ids, generator=generator, **settings)
     return speculative_generate(target, draft, prompt_ids, generator=generator, **settings)
