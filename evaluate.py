@@ -2,6 +2,7 @@
 
 python evaluate.py draft=exports/my-drafter bench=gsm8k bench.limit=20 temperature=0
 python evaluate.py -m draft=exports/my-drafter bench=gsm8k,mtbench temperature=0,1 block_size=8,16
+python evaluate.py -m draft=exports/my-drafter,pld bench=gsm8k,mtbench temperature=0   (pld: prompt lookup)
 """
 
 import re

@@ -1,12 +1,14 @@
 """`python evaluate.py`: how many tokens per target step a drafter really gives, measured by speculative decoding.
 
-One run = one drafter x one benchmark x one setting (temperature, block size, selector on/off). It writes
-`results.json` (acceptance statistics, speed, who was evaluated) and `samples.jsonl` (one line per request) into
-its run folder, prints a table and logs an offline W&B run. `dflash2.sweep` summarises a multirun.
+One run = one drafter (or prompt lookup, `draft=pld`) x one benchmark x one setting (temperature, block size,
+selector on/off). It writes `results.json` (acceptance statistics, speed, who was evaluated) and `samples.jsonl`
+(one line per request) into its run folder, prints a table and logs an offline W&B run. `dflash2.sweep`
+summarises a multirun.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -22,11 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash2 import kernels
 from dflash2.config import DFlash2Config
+from dflash2.lookup import PromptLookup
 from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
 from dflash2.model import DFlash2DraftModel
 from dflash2.speculative import Generation, speculative_generate, target_generate
 
 log = logging.getLogger(__name__)
+
+PLD = "pld"  # draft=pld: prompt lookup, the training-free baseline, in place of an export folder
+PLD_BLOCK_SIZE = 16  # its block when block_size is null: 15 proposals, as in the PLD figure BENCHMARKS quotes
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -44,14 +50,19 @@ def load_target(model_json: str, device: str) -> Any:
     return TargetModel.from_config(json.loads(model_json), device=device)
 
 
+def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int]) -> tuple[Any, dict[str, Any]]:
+    """The target of the `model` group, capturing the features of `layer_ids`, and its identity."""
+    model = OmegaConf.to_container(cfg.model, resolve=True) | {"target_layer_ids": list(layer_ids)}
+    target = load_target(json.dumps(model, sort_keys=True), str(device))
+    return target, target_identity(cfg.model.name, target.config, target.tokenizer)
+
+
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
     """The target of the `model` group and the drafter at `draft.path`, refused when trained for another target."""
     draft_dir = Path(cfg.draft.path).expanduser()
     saved = DFlash2Config.from_pretrained(draft_dir)  # cheap: fail on a wrong folder before loading a target
     # The drafter decides which target layers it reads, whatever the model group suggests for training.
-    model = OmegaConf.to_container(cfg.model, resolve=True) | {"target_layer_ids": list(saved.target_layer_ids)}
-    target = load_target(json.dumps(model, sort_keys=True), str(device))
-    identity = target_identity(cfg.model.name, target.config, target.tokenizer)
+    target, identity = load_model_target(cfg, device, saved.target_layer_ids)
     check_manifest(saved.extra.get(MANIFEST_KEY), identity)
     if saved.hidden_size != target.hidden_size or saved.vocab_size > target.vocab_size:
         raise ValueError(
@@ -60,6 +71,40 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftM
         )
     draft = DFlash2DraftModel.from_pretrained(draft_dir, dtype=target.lm_head_weight.dtype, device=device).eval()
     return target, draft, identity
+
+
+def prompt_lookup(cfg: DictConfig) -> tuple[PromptLookup, int]:
+    """draft=pld: the lookup of the `pld` settings and its block size (block_size, or 16 when null), validated."""
+    lookup = PromptLookup(**OmegaConf.to_container(cfg.pld, resolve=True))
+    block_size = int(cfg.block_size or PLD_BLOCK_SIZE)
+    lookup.slots(block_size)
+    return lookup, block_size
+
+
+def describe_draft(
+    cfg: DictConfig, draft: DFlash2DraftModel | PromptLookup, use_selector: bool, block_size: int
+) -> dict[str, Any]:
+    """The `draft` entry of results.json: what proposed, with the settings that shape its proposals."""
+    if isinstance(draft, PromptLookup):
+        return {
+            "path": None,
+            "name": PLD,
+            "architecture": "PromptLookup",
+            "selector": None,
+            "conv": None,
+            "trained_block_size": None,
+            "manifest": None,
+            "pld": dataclasses.asdict(draft) | {"num_tokens": draft.slots(block_size)},
+        }
+    return {
+        "path": str(Path(cfg.draft.path).expanduser().resolve()),
+        "name": Path(cfg.draft.path).name,
+        "architecture": draft.config.to_dict()["architectures"][0],
+        "selector": use_selector,
+        "conv": draft.config.use_conv,
+        "trained_block_size": draft.config.block_size,
+        "manifest": draft.config.extra.get(MANIFEST_KEY),
+    }
 
 
 def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None, name: str = "tau_sim") -> float | None:
@@ -118,7 +163,7 @@ def acceptance_stats(accept_lengths: list[list[int]], block_size: int) -> dict[s
 # ---------------------------------------------------------------------------------------------- a run
 def generate_turns(
     target: Any,
-    draft: DFlash2DraftModel | None,
+    draft: DFlash2DraftModel | PromptLookup | None,
     prompts: list[dict],
     settings: dict[str, Any],
     multi_turn: bool,
@@ -153,12 +198,12 @@ def generate_turns(
 
 def decode(
     target: Any,
-    draft: DFlash2DraftModel | None,
+    draft: DFlash2DraftModel | PromptLookup | None,
     prompt_ids: list[list[int]],
     settings: dict[str, Any],
     generator: torch.Generator,
 ) -> list[Generation]:
-    """Speculative decoding, or the target alone when there is no drafter."""
+    """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None."""
     if draft is None:
         return target_generate(target, prompt_ids, generator=generator, **settings)
     return speculative_generate(target, draft, prompt_ids, generator=generator, **settings)
@@ -187,18 +232,23 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.draft.get("path"):
-        raise ValueError("draft.path is not set: pass draft=<export dir> (a folder written by export.py)")
+        raise ValueError("draft.path is not set: pass draft=<export dir> (a folder written by export.py), or draft=pld")
     repeats = int(cfg.repeats)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
     device = resolve_device(cfg.get("device"))
     kernels.set_backend(cfg.kernels)
-    target, draft, identity = load_pair(cfg, device)
-    trained_block_size = draft.config.block_size
-    block_size = int(cfg.block_size or trained_block_size)
-    use_selector = bool(cfg.draft.selector) and draft.candidate_selector is not None
-    if cfg.draft.selector and draft.candidate_selector is None:
-        log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
+    if cfg.draft.path == PLD:
+        draft, block_size = prompt_lookup(cfg)  # bad settings fail here, before a target is loaded
+        target, identity = load_model_target(cfg, device, [])  # no features to capture, no manifest to check
+        use_selector = False
+    else:
+        target, draft, identity = load_pair(cfg, device)
+        block_size = int(cfg.block_size or draft.config.block_size)
+        use_selector = bool(cfg.draft.selector) and draft.candidate_selector is not None
+        if cfg.draft.selector and draft.candidate_selector is None:
+            log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
+    described = describe_draft(cfg, draft, use_selector, block_size)  # before decoding sets the block size
     prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
     if not prompts:
         raise ValueError(f"bench {cfg.bench.name!r} with limit={cfg.bench.get('limit')} has no prompts")
@@ -225,9 +275,10 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             )
     samples = passes[0][0]
     num_tokens = sum(len(s["output_ids"]) for s in samples)
-    manifest = draft.config.extra.get(MANIFEST_KEY)
-    argmax_path = draft.candidate_selector is not None and not use_selector
-    tau_sim = read_tau_sim(cfg.draft.path, manifest, "tau_sim_top1" if argmax_path else "tau_sim")
+    tau_sim = None  # prompt lookup is not trained: nothing predicts its tau
+    if isinstance(draft, DFlash2DraftModel):
+        argmax_path = draft.candidate_selector is not None and not use_selector
+        tau_sim = read_tau_sim(cfg.draft.path, described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
     results: dict[str, Any] = {
         **acceptance_stats([s["accept_lengths"] for s in samples], block_size),
         "tau_sim": tau_sim,
@@ -246,19 +297,11 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "kernels": kernels.get_backend(),
         "device": str(device),
         "seed": seed,
-        "draft": {
-            "path": str(Path(cfg.draft.path).expanduser().resolve()),
-            "name": Path(cfg.draft.path).name,
-            "architecture": draft.config.to_dict()["architectures"][0],
-            "selector": use_selector,
-            "conv": draft.config.use_conv,
-            "trained_block_size": trained_block_size,
-            "manifest": manifest,
-        },
+        "draft": described,
         "target": identity,
     }
     # tau_sim was measured at the trained block size: a gap at another size would compare different things.
-    comparable = tau_sim is not None and block_size == trained_block_size
+    comparable = tau_sim is not None and block_size == described["trained_block_size"]
     results["tau_gap"] = tau_sim - results["tau"] if comparable else None
     if reference:
         results["baseline"] = _baseline(reference, passes, results["tokens_per_s_passes"], settings["temperature"])
@@ -336,7 +379,7 @@ def format_table(results: dict[str, Any]) -> str:
     row = [
         r["bench"],
         r["draft"]["name"],
-        str(r["draft"]["selector"]).lower(),
+        "-" if r["draft"]["selector"] is None else str(r["draft"]["selector"]).lower(),
         f"{r['temperature']:g}",
         str(r["block_size"]),
         str(r["num_prompts"]),
@@ -368,7 +411,7 @@ def log_wandb(cfg: DictConfig, results: dict[str, Any], run_dir: str | Path) -> 
 
     name = (
         f"{results['bench']}-T{results['temperature']:g}-B{results['block_size']}"
-        f"{'' if results['draft']['selector'] else '-noselector'}"
+        f"{'-noselector' if results['draft']['selector'] is False else ''}"
     )
     run = wandb.init(
         project=cfg.wandb.project,

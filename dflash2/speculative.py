@@ -1,7 +1,9 @@
 """Speculative decoding with a DFlash2 drafter and its frozen target, verified losslessly (contract section 6).
 
-One verify step per batch: the drafter proposes a block `[anchor, d_1 .. d_{B-1}]` in one forward pass, the
-target scores the whole block in one forward pass, and every request keeps `accepted + 1` tokens.
+One verify step per batch: a proposer fills the block `[anchor, d_1 .. d_{B-1}]`, the target scores the whole
+block in one forward pass, and every request keeps `accepted + 1` tokens. The proposer is a DFlash2 drafter
+(`Drafter`: one forward pass over the block) or prompt lookup (`dflash2.lookup.PromptLookup`, the training-free
+baseline); both run through the same loop, verify and bookkeeping, so their statistics compare like for like.
 
 Ragged acceptance without ragged caches: every step appends all B block slots to the target's KV cache and to
 the drafter's context cache for every request, then masks the rejected ones, and `compact` drops them from both
@@ -16,7 +18,8 @@ All randomness comes from one seeded `torch.Generator`, so a run is reproducible
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,9 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from dflash2.model import DFlash2DraftModel, DraftCache
 from dflash2.selector import head_logits
+
+if TYPE_CHECKING:
+    from dflash2.lookup import PromptLookup
 
 
 @dataclasses.dataclass
@@ -56,6 +62,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def selector_q(candidate_ids: torch.Tensor, q: torch.Tensor, vocab: int) -> torch.Tensor:
     """The walk's q over its K candidates [b, S, K] -> the same distribution over the vocabulary [b, S, vocab]."""
     return q.new_zeros(*q.shape[:-1], vocab).scatter_(-1, candidate_ids, q)
+
+
+def point_mass(proposals: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The q of a proposer that draws nothing (prompt lookup): all mass on each proposal [b, S] -> [b, S, vocab]."""
+    return F.one_hot(proposals, vocab).float()
 
 
 # ---------------------------------------------------------------------------------------------- draft and verify
@@ -102,14 +113,17 @@ def verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits over the block [b, B, V] verify proposals [b, B-1] -> (accepted [b], bonus token [b]).
 
-    Logits at block index j predict the token at j + 1, so proposal s is checked against logits[:, s - 1] and the
-    bonus comes from logits[:, accepted]."""
+    q [b, B-1, V] is what each proposal was drawn from; None: each proposal is a point mass (a deterministic
+    proposer), which keeps sampling lossless too. Logits at block index j predict the token at j + 1, so proposal
+    s is checked against logits[:, s - 1] and the bonus comes from logits[:, accepted]."""
     rows = torch.arange(logits.shape[0], device=logits.device)
     if temperature == 0:
         best = logits.argmax(-1)
         accepted = (proposals == best[:, :-1]).long().cumprod(-1).sum(-1)
         return accepted, best[rows, accepted]
     p = target_probs(logits, temperature, top_k, top_p)
+    if q is None:
+        q = point_mass(proposals, p.shape[-1])
     p_d = p[:, :-1].gather(-1, proposals[..., None]).squeeze(-1)
     q_d = q.gather(-1, proposals[..., None]).squeeze(-1)
     # Accept d with probability min(1, p(d) / q(d)); q(d) > 0 because d was drawn from q.
@@ -181,10 +195,13 @@ class Rows:
     positions: torch.Tensor  # [b, slots] RoPE position of each slot = committed tokens before it
     lengths: torch.Tensor  # [b] committed tokens = the position of the anchor
     anchor: torch.Tensor  # [b] the last committed token, not yet seen by the target
-    features: torch.Tensor  # [b, c, n*H] target features of the last c slots, not yet in the drafter's cache
+    # [b, c, n*H] target features of the last c slots, not yet in the drafter's cache; None without a drafter
+    features: torch.Tensor | None
+    tokens: torch.Tensor  # [b, capacity] the committed tokens without holes: tokens[:, :lengths], the anchor, junk
 
     def select(self, keep: torch.Tensor) -> Rows:
-        return Rows(*(getattr(self, f.name)[keep] for f in dataclasses.fields(self)))
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Rows(*(None if v is None else v[keep] for v in values))
 
 
 def draft_mask(draft: DFlash2DraftModel, rows: Rows, block_size: int) -> torch.Tensor | dict:
@@ -208,20 +225,21 @@ def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return torch.where(kept[..., None], features, 0)
 
 
-def compact(rows: Rows, cache: Any, draft_cache: DraftCache) -> Rows:
+def compact(rows: Rows, cache: Any, draft_cache: DraftCache | None) -> Rows:
     """Drop the masked slots (rejected proposals, prompt padding) from both caches once they outnumber the kept
     ones; each row keeps its committed slots in order, left-aligned, and shorter rows are padded with masked slots.
 
     Without this, every verify step leaves B - 1 - accepted dead slots in both caches, so at low acceptance the
     caches grow nearly B times faster than the text and each step reads them whole. Attention gives a masked key
     exactly zero weight, so dropping it changes nothing. Only the slots already in both caches are moved: the
-    last c target slots, whose features the drafter has not taken in yet, stay where they are."""
+    last c target slots, whose features the drafter has not taken in yet, stay where they are. Without a drafter
+    (`draft_cache` None) only the target's cache is compacted."""
     layers = getattr(cache, "layers", None)
     # By name, exactly: transformers' sliding-window layers subclass DynamicLayer and count what they drop.
     if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
         return rows  # sliding-window or static caches keep their own bookkeeping: leave them as they are
-    settled = rows.key_mask.shape[1] - rows.features.shape[1]
-    if settled != draft_cache.length:
+    settled = rows.key_mask.shape[1] - (0 if rows.features is None else rows.features.shape[1])
+    if draft_cache is not None and settled != draft_cache.length:
         raise RuntimeError(f"the drafter's cache holds {draft_cache.length} slots where {settled} were expected")
     kept = rows.key_mask[:, :settled].bool()
     width = int(kept.sum(-1).max()) if settled else 0
@@ -239,22 +257,73 @@ def compact(rows: Rows, cache: Any, draft_cache: DraftCache) -> Rows:
 
     for layer in layers:
         layer.keys, layer.values = take(layer.keys, 2), take(layer.values, 2)
-    draft_cache.keys = [None if k is None else take(k, 2) for k in draft_cache.keys]
-    draft_cache.values = [None if v is None else take(v, 2) for v in draft_cache.values]
+    map_draft_cache(draft_cache, lambda x: take(x, 2))
     return dataclasses.replace(rows, key_mask=take(rows.key_mask, 1), positions=take(rows.positions, 1))
 
 
-def select_caches(keep: torch.Tensor, cache: Any, draft_cache: DraftCache) -> None:
+def map_draft_cache(draft_cache: DraftCache | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    if draft_cache is not None:
+        draft_cache.keys = [None if k is None else fn(k) for k in draft_cache.keys]
+        draft_cache.values = [None if v is None else fn(v) for v in draft_cache.values]
+
+
+def select_caches(keep: torch.Tensor, cache: Any, draft_cache: DraftCache | None) -> None:
     cache.batch_select_indices(keep)
-    draft_cache.keys = [None if k is None else k[keep] for k in draft_cache.keys]
-    draft_cache.values = [None if v is None else v[keep] for v in draft_cache.values]
+    map_draft_cache(draft_cache, lambda x: x[keep])
+
+
+# ---------------------------------------------------------------------------------------------- proposers
+class Drafter:
+    """A DFlash2 drafter as the loop's proposer: the target features of the newly committed slots go into its
+    cache, then one forward over `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`propose`)."""
+
+    def __init__(self, target: Any, draft: DFlash2DraftModel, use_selector: bool) -> None:
+        self.target, self.draft, self.use_selector = target, draft, use_selector
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(self.draft.config.num_hidden_layers)
+
+    def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """What the next draft forward takes in: the target features of the slots just verified."""
+        return only_kept(hidden, kept)
+
+    def __call__(
+        self,
+        rows: Rows,
+        block_positions: torch.Tensor,
+        draft_cache: DraftCache,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        draft, target = self.draft, self.target
+        masks = torch.full_like(block_positions[:, 1:], draft.config.mask_token_id)
+        block_ids = torch.cat([rows.anchor[:, None], masks], -1)
+        c = rows.features.shape[1]
+        hidden = draft(
+            target.embed_tokens(block_ids),
+            block_positions,
+            draft.fuse(rows.features),
+            rows.positions[:, -c:],
+            attention_mask=draft_mask(draft, rows, block_positions.shape[1]),
+            cache=draft_cache,
+        )
+        return propose(
+            draft,
+            target.lm_head_weight,
+            hidden[:, 1:],
+            rows.anchor,
+            temperature=temperature,
+            use_selector=self.use_selector,
+            vocab=target.lm_head_weight.shape[0],
+            generator=generator,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- decoding
 @torch.no_grad()
 def speculative_generate(
     target: Any,
-    draft: DFlash2DraftModel,
+    draft: DFlash2DraftModel | PromptLookup,
     prompts_ids: list[list[int]],
     block_size: int,
     max_new_tokens: int,
@@ -268,40 +337,36 @@ def speculative_generate(
 ) -> list[Generation]:
     """Decode every prompt with draft-then-verify steps; greedy output equals the target's own greedy output.
 
-    `target` is a `dflash2.target.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache).
-    """
+    `target` is a `dflash2.target.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache);
+    `draft` a drafter, or prompt lookup (`use_selector` is then moot)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
-    if draft.config.block_size != block_size:
-        draft.set_block_size(block_size)
+    if isinstance(draft, DFlash2DraftModel):
+        if draft.config.block_size != block_size:
+            draft.set_block_size(block_size)
+        proposer = Drafter(target, draft, use_selector)
+    else:
+        draft.slots(block_size)  # a block too small for the lookup's num_tokens fails now, not in the first batch
+        proposer = draft
     device = target.lm_head_weight.device
     generator = generator or torch.Generator(device=device).manual_seed(0)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     results: list[Generation] = []
     for start in range(0, len(prompts_ids), batch_size):
-        requests = Requests(len(prompts_ids[start : start + batch_size]), max_new_tokens, set(stop_ids))
-        decode_batch(
-            target,
-            draft,
-            prompts_ids[start : start + batch_size],
-            requests,
-            block_size,
-            sampling,
-            use_selector,
-            generator,
-        )
+        prompts = prompts_ids[start : start + batch_size]
+        requests = Requests(len(prompts), max_new_tokens, set(stop_ids))
+        decode_batch(target, proposer, prompts, requests, block_size, sampling, generator)
         results += requests.out
     return results
 
 
 def decode_batch(
     target: Any,
-    draft: DFlash2DraftModel,
+    proposer: Drafter | PromptLookup,
     prompts: list[list[int]],
     requests: Requests,
     block_size: int,
     sampling: dict,
-    use_selector: bool,
     generator: torch.Generator,
 ) -> None:
     ids, key_mask = pad_right(prompts, target.lm_head_weight.device)
@@ -311,8 +376,10 @@ def decode_batch(
     out = target.forward(ids, attention_mask=key_mask, position_ids=positions, use_cache=True, logits_at=lengths - 1)
     anchor = first_token(out.logits, generator=generator, **sampling)
     done = [requests.commit(i, [t]) for i, t in enumerate(anchor.tolist())]
-    rows = Rows(key_mask, positions, lengths, anchor, only_kept(out.hidden, key_mask.bool()))
-    cache, draft_cache = out.past_key_values, DraftCache(draft.config.num_hidden_layers)
+    # Room for every token a request may still commit, plus a block of rejected proposals past its end.
+    tokens = F.pad(ids, (0, requests.max_new_tokens + block_size)).scatter_(1, lengths[:, None], anchor[:, None])
+    rows = Rows(key_mask, positions, lengths, anchor, proposer.pending(out.hidden, key_mask.bool()), tokens)
+    cache, draft_cache = out.past_key_values, proposer.new_cache()
     offsets = torch.arange(block_size, device=device)
     while True:
         if any(done):
@@ -323,32 +390,11 @@ def decode_batch(
             select_caches(keep, cache, draft_cache)
         rows = compact(rows, cache, draft_cache)
 
-        # Draft: the new context into the drafter's cache, then one forward over [anchor, MASK, ...].
         block_positions = rows.lengths[:, None] + offsets
-        masks = torch.full_like(block_positions[:, 1:], draft.config.mask_token_id)
-        block_ids = torch.cat([rows.anchor[:, None], masks], -1)
-        c = rows.features.shape[1]
-        hidden = draft(
-            target.embed_tokens(block_ids),
-            block_positions,
-            draft.fuse(rows.features),
-            rows.positions[:, -c:],
-            attention_mask=draft_mask(draft, rows, block_size),
-            cache=draft_cache,
-        )
-        proposals, q = propose(
-            draft,
-            target.lm_head_weight,
-            hidden[:, 1:],
-            rows.anchor,
-            temperature=temperature,
-            use_selector=use_selector,
-            vocab=target.lm_head_weight.shape[0],
-            generator=generator,
-        )
+        proposals, q = proposer(rows, block_positions, draft_cache, temperature=temperature, generator=generator)
 
         # Verify: the whole block enters the target's cache; the rejected slots are masked from now on.
-        key_mask = torch.cat([rows.key_mask, torch.ones_like(block_ids)], -1)
+        key_mask = torch.cat([rows.key_mask, torch.ones_like(block_positions)], -1)
         out = target.forward(
             torch.cat([rows.anchor[:, None], proposals], -1),
             attention_mask=key_mask,
@@ -360,13 +406,12 @@ def decode_batch(
         accepted, bonus = verify(out.logits, proposals, q, generator=generator, **sampling)
         kept = offsets[None] <= accepted[:, None]  # the anchor and the accepted proposals
         key_mask[:, -block_size:] = kept
-        rows = Rows(
-            key_mask,
-            torch.cat([rows.positions, block_positions], -1),
-            rows.lengths + accepted + 1,
-            bonus,
-            only_kept(out.hidden, kept),
-        )
+        lengths = rows.lengths + accepted + 1
+        # All proposals go in, then the bonus over the first rejected one: the rest lies past the committed end.
+        tokens = rows.tokens.scatter_(1, block_positions[:, 1:], proposals)
+        tokens.scatter_(1, lengths[:, None], bonus[:, None])
+        features = proposer.pending(out.hidden, kept)
+        rows = Rows(key_mask, torch.cat([rows.positions, block_positions], -1), lengths, bonus, features, tokens)
         done = [
             requests.commit(i, row[:a] + [t])
             for i, (row, a, t) in enumerate(zip(proposals.tolist(), accepted.tolist(), bonus.tolist(), strict=True))

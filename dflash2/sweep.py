@@ -38,8 +38,9 @@ COLUMNS = [
 
 
 def setting_label(row: dict[str, Any]) -> str:
-    """What distinguishes runs on one bench: temperature, block size, selector (and the draft when several)."""
-    return f"T={row['temperature']:g} B={row['block_size']}{'' if row['selector'] else ' no-selector'}"
+    """What distinguishes runs on one bench: temperature, block size, selector (and the draft when several).
+    `selector` None: nothing to switch (prompt lookup)."""
+    return f"T={row['temperature']:g} B={row['block_size']}{' no-selector' if row['selector'] is False else ''}"
 
 
 def load_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:

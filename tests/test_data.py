@@ -102,6 +102,21 @@ def test_loss_mask_with_stripping_template_and_special_last_turn(tokenizer):
     assert runs == [m["content"].strip() + "<|im_end|>" for m in messages if m["role"] == "assistant"]
 
 
+def test_a_truncated_reply_trains_its_tokens_but_not_the_closing_end_of_turn(tokenizer, tmp_path):
+    rng = random.Random()
+    messages = random_chat(rng, turns=rng.randint(2, 4))
+    replies = [m for m in messages if m["role"] == "assistant"]
+    for m in rng.sample(replies, rng.randint(1, len(replies) - 1)):
+        m["truncated"] = True  # as regeneration writes a reply cut by max_new_tokens
+    # Through the reader, as training gets them (the dataset then gives every message the field, mostly None).
+    loaded = load_conversations(write_jsonl(tmp_path / "regen.jsonl", [{"id": "r", "messages": messages}]))
+    row = render(loaded[0]["messages"], tokenizer, max_length=4096)
+    runs = [tokenizer.decode(r) for r in masked_runs(row["input_ids"], row["loss_mask"])]
+    assert runs == [m["content"] + ("" if m.get("truncated") else "<|im_end|>") for m in replies]
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert row["input_ids"] == render(plain, tokenizer, max_length=4096)["input_ids"]  # the same text either way
+
+
 @pytest.mark.parametrize("max_length", [7, 40, 300])
 def test_truncation_keeps_the_prefix(tokenizer, max_length):
     """Long chats (past render's tokenization prefix, with runs of few-token characters) truncate exactly."""
@@ -158,6 +173,7 @@ def test_jsonl_replies_may_hold_unicode_line_separators(tmp_path):
         ({"from": "robot", "value": "x"}, "unknown role 'robot'"),
         ({"from": "gpt"}, "expected an object with 'from' and 'value'"),
         ({"from": "gpt", "value": 7}, "'value' is a int, expected a string"),
+        ({"from": "gpt", "value": "x", "truncated": "yes"}, "'truncated' is 'yes', expected true or false"),
     ],
 )
 def test_malformed_record_is_named(tmp_path, turn, problem):

@@ -151,6 +151,40 @@ def test_a_draft_for_another_target_is_refused(tiny, tmp_path):
         evaluate(config(f"draft.path={draft}", "bench.limit=1"), tmp_path / "run")
 
 
+def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
+    cfg = config("draft.path=pld", "bench.limit=2", "max_new_tokens=8", "batch_size=2", "baseline=true")
+    results = evaluate(cfg, tmp_path / "run")
+    _, samples = read_run(tmp_path / "run")
+    assert results["draft"]["name"] == "pld" and results["draft"]["architecture"] == "PromptLookup"
+    assert results["draft"]["pld"] == {"max_ngram": 3, "min_ngram": 1, "num_tokens": 15, "filler": 0}
+    assert results["draft"]["path"] is None and results["draft"]["manifest"] is None
+    assert results["block_size"] == 16 and len(results["per_position_accept"]) == 15  # block_size null = 16
+    assert results["tau_sim"] is None and results["tau_gap"] is None
+    assert results["num_steps"] == sum(len(s["accept_lengths"]) for s in samples) > 0
+    assert results["target"] == target_identity("tiny", tiny.config, tiny.tokenizer)
+    assert results["baseline"]["identical_outputs"] == 1.0  # greedy: the target's own output
+
+    results = evaluate(config("draft.path=pld", "bench.limit=1", "max_new_tokens=4", "block_size=4"), tmp_path / "b4")
+    assert results["block_size"] == 4 and results["draft"]["pld"]["num_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("pld.max_ngram=0", "pld.max_ngram=0"),
+        ("pld.min_ngram=5", "pld.min_ngram=5 is above pld.max_ngram=3"),
+        ("pld.num_tokens=16", "pld.num_tokens=16 does not fit a block of block_size=16"),
+        ("block_size=1", "block_size=1"),
+    ],
+)
+def test_prompt_lookup_settings_are_checked_before_loading_a_target(tmp_path, monkeypatch, override, message):
+    from dflash2 import evaluation
+
+    monkeypatch.setattr(evaluation, "load_target", lambda *a: pytest.fail("the target was loaded first"))
+    with pytest.raises(ValueError, match=message):
+        evaluate(config("draft.path=pld", override), tmp_path / "run")
+
+
 def test_acceptance_stats_by_hand():
     stats = acceptance_stats([[1, 3], [4, 1, 2]], block_size=4)
     assert stats["accept_hist"] == [2, 1, 1, 1] and stats["num_steps"] == 5
@@ -172,7 +206,8 @@ def test_tau_sim_comes_from_the_manifest_or_the_readme(tmp_path):
 
 @pytest.fixture(scope="module")
 def sweep(tiny, tmp_path_factory):
-    """`python evaluate.py -m ...` exactly as a user types it: 2 benches x 2 temperatures, W&B offline."""
+    """`python evaluate.py -m ...` exactly as a user types it: a drafter and prompt lookup x 2 benches x 2
+    temperatures, W&B offline."""
     root = tmp_path_factory.mktemp("sweep")
     draft = export_draft(tiny, root / "draft", tau_sim=1.5)
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -181,7 +216,7 @@ def sweep(tiny, tmp_path_factory):
             sys.executable,
             str(ROOT / "evaluate.py"),
             "-m",
-            f"draft={draft}",
+            f"draft={draft},pld",
             "model=tiny",
             "bench=humaneval,sharegpt",
             "bench.limit=2",
@@ -204,8 +239,12 @@ def test_sweep_writes_runs_summary_and_plots(sweep):
     import pandas as pd
 
     table = pd.read_csv(sweep_dir / "summary.csv")
-    assert len(table) == 4 and set(table["bench"]) == {"humaneval", "sharegpt"}
-    assert set(table["temperature"]) == {0.0, 1.0} and (table["tau_sim"] == 1.5).all()
+    assert len(table) == 8 and set(table["bench"]) == {"humaneval", "sharegpt"}
+    drafter, lookup = table[table["draft"] == "draft"], table[table["draft"] == "pld"]
+    for rows in (drafter, lookup):
+        assert len(rows) == 4 and set(rows["temperature"]) == {0.0, 1.0}
+    assert (drafter["tau_sim"] == 1.5).all() and lookup["tau_sim"].isna().all()
+    assert (lookup["block_size"] == 16).all() and (lookup["tau"] >= 1).all()
     for png in ("tau_by_bench.png", "per_position_accept.png"):
         assert (sweep_dir / png).read_bytes()[:4] == b"\x89PNG"
     runs = sorted(p.parent for p in sweep_dir.rglob("results.json"))
@@ -257,12 +296,17 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
         for bench in ("gsm8k", "mbpp")
         for block in (16, 8)
     ]
+    # Prompt lookup as evaluate.py records it: no tau_sim, no selector.
+    lookup = {"tau_sim": None, "tau_gap": None, "draft": {"name": "pld", "selector": None}}
+    runs += [run("pld", bench, 16, 1.0 + torch.rand(()).item(), 0.0) | lookup for bench in ("gsm8k", "mbpp")]
     table = summary_table(runs)
     fig = tau_figure(table)
     ax = fig.axes[0]
     ticks = sorted(round(seg[0][1], 6) for c in ax.collections for seg in c.get_segments())
-    assert ticks == sorted(round(sims[r["draft"]["name"]], 6) for r in runs if r["block_size"] == 16)
+    drafters = [r for r in runs if r["draft"]["name"] != "pld"]
+    assert ticks == sorted(round(sims[r["draft"]["name"]], 6) for r in drafters if r["block_size"] == 16)
     bars = sorted(round(p.get_height(), 6) for c in ax.containers for p in c)
     assert bars == sorted(round(r["tau"], 6) for r in runs)
-    assert not pd.isna(table["tau_sim"]).any()  # the table itself keeps tau_sim for every run
+    assert not pd.isna(table["tau_sim"][: len(drafters)]).any()  # the table itself keeps tau_sim for every drafter
+    assert set(table["setting"][len(drafters) :]) == {"pld T=0 B=16"}
     plt.close(fig)

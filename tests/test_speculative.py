@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 from dflash2 import DFlash2Config, DFlash2DraftModel, kernels
 from dflash2 import speculative as spec
 from dflash2.kernels import _backend
+from dflash2.lookup import PromptLookup
 from dflash2.target import TargetModel
 
 DRAFT_KINDS = {
@@ -197,6 +198,109 @@ def assert_drafts_match_fresh_forwards(target, draft, seen, block_size):
         torch.testing.assert_close(hidden, fresh, rtol=1e-4, atol=1e-4)
 
 
+# ---------------------------------------------------------------------------------------------- prompt lookup
+def repeating_prompts(seed, n, vocab):
+    """Random pieces repeated a few times (then a random tail), so n-grams recur and lookups find something."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        piece = torch.randint(4, vocab, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+        tail = torch.randint(4, vocab, (int(torch.randint(0, 4, (), generator=g)),), generator=g).tolist()
+        prompts.append(piece * int(torch.randint(2, 4, (), generator=g)) + tail)
+    return prompts
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_prompt_lookup_greedy_output_is_the_targets_greedy_output(tiny, block_size, monkeypatch):
+    prompts = repeating_prompts(torch.seed() % 10_000, 4, tiny.vocab_size)
+    reference = spec.target_generate(tiny, prompts, max_new_tokens=24, batch_size=4)
+    steps = []  # (features kept for a drafter, target cache width before, after) per compaction
+
+    def recording(rows, cache, draft_cache):
+        before = cache.get_seq_length()
+        rows = compact(rows, cache, draft_cache)
+        steps.append((rows.features, draft_cache, before, cache.get_seq_length()))
+        return rows
+
+    compact = spec.compact
+    monkeypatch.setattr(spec, "compact", recording)
+    out = spec.speculative_generate(tiny, PromptLookup(), prompts, block_size, 24, batch_size=3)
+    assert [g.output_ids for g in out] == [g.output_ids for g in reference]
+    for got in out:
+        assert len(got.output_ids) == 1 + sum(got.accept_lengths)
+        assert all(1 <= n <= block_size for n in got.accept_lengths)
+    assert max(n for g in out for n in g.accept_lengths) >= 2  # some lookups were accepted, not only bonus tokens
+    assert all(features is None and cache is None for features, cache, _, _ in steps)  # no drafter was fed
+    assert any(after < before for _, _, before, after in steps)  # the target's cache alone was compacted
+
+
+def lookup_reference(tokens, max_ngram, min_ngram, num_tokens, width, filler):
+    """The rule written the plainest way, on one list of tokens."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == suffix]
+        if starts:
+            proposal = tokens[starts[-1] + n :][: min(num_tokens, width)]
+            return proposal + [filler] * (width - len(proposal))
+    return [filler] * width
+
+
+def test_prompt_lookup_proposes_what_the_ngram_rule_gives():
+    F = PromptLookup().filler
+
+    def propose(rows, block_size=8, **settings):
+        capacity = max(len(r) for r in rows) + 3
+        tokens = torch.full((len(rows), capacity), 7)  # junk past each row's end must never be read
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r)
+        return PromptLookup(**settings).lookup(tokens, torch.tensor([len(r) for r in rows]), block_size).tolist()
+
+    last_occurrence = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]  # [1 2 3] at 0 and 4: the later one wins
+    longest_first = [5, 8, 9, 1, 4, 6, 9, 2, 8, 9]  # [8 9] at 1 beats [9] at 6
+    none = [1, 2, 3, 4]
+    overlapping = [4, 4, 4, 4]  # [4 4 4] at 0 overlaps the suffix at 1: allowed, one token follows
+    assert propose([last_occurrence, longest_first, none, overlapping]) == [
+        [8, 5, 1, 2, 3, F, F],  # what follows runs out at the end of the row: filler, not the junk after it
+        [1, 4, 6, 9, 2, 8, 9],
+        [F] * 7,
+        [4, F, F, F, F, F, F],
+    ]
+    assert propose([last_occurrence], block_size=4) == [[8, 5, 1]]  # B - 1 slots
+    assert propose([last_occurrence], num_tokens=2) == [[8, 5, F, F, F, F, F]]
+    assert propose([longest_first], max_ngram=1) == [[2, 8, 9, F, F, F, F]]
+    assert propose([[1, 2, 1, 3, 1]], min_ngram=2) == [[F] * 7]  # only a 1-gram recurs
+    assert propose([[3]]) == [[F] * 7]
+
+    # Random short rows over a small vocabulary (so n-grams recur), against the plain rule.
+    g = torch.Generator().manual_seed(torch.seed() % 10_000)
+    for _ in range(20):
+        rows = [torch.randint(1, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (6,), generator=g)]
+        max_n = int(torch.randint(1, 5, (), generator=g))
+        min_n = int(torch.randint(1, max_n + 1, (), generator=g))
+        k = int(torch.randint(1, 8, (), generator=g))
+        want = [lookup_reference(r, max_n, min_n, k, 7, F) for r in rows]
+        assert propose(rows, max_ngram=max_n, min_ngram=min_n, num_tokens=k) == want
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(max_ngram=0), "pld.max_ngram=0"),
+        (dict(min_ngram=0), "pld.min_ngram=0"),
+        (dict(min_ngram=4), "pld.min_ngram=4 is above pld.max_ngram=3"),
+        (dict(num_tokens=0), "pld.num_tokens=0"),
+    ],
+)
+def test_prompt_lookup_refuses_bad_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
+        PromptLookup(**settings)
+
+
+def test_prompt_lookup_refuses_more_tokens_than_a_block_holds(tiny):
+    with pytest.raises(ValueError, match="pld.num_tokens=8 does not fit a block of block_size=8"):
+        spec.speculative_generate(tiny, PromptLookup(num_tokens=8), [[5, 6]], 8, 4)
+
+
 @pytest.mark.skipif(_backend.triton is None, reason="triton is not installed")
 def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
     seed = torch.seed() % 10_000
@@ -283,20 +387,25 @@ def exact_joint(target, prompt, temperature, top_k):
     return p0[:, None, None] * p1[:, :, None] * p2
 
 
-@pytest.mark.parametrize("kind, temperature, top_k", [("dflash2", 1.0, 0), ("dflash2", 0.7, 5), ("dflash", 1.0, 0)])
+@pytest.mark.parametrize(
+    "kind, temperature, top_k", [("dflash2", 1.0, 0), ("dflash2", 0.7, 5), ("dflash", 1.0, 0), ("pld", 0.7, 5)]
+)
 def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k, monkeypatch):
     target = small_target()
-    draft = make_draft(
-        target,
-        kind,
-        4,
-        seed=11,
-        scale=0.3,
-        target_layer_ids=[0, 1],
-        mask_token_id=7,
-        conv_group_size=8 if kind == "dflash2" else 0,
-        selector_rank=4 if kind == "dflash2" else 0,
-    )
+    if kind == "pld":
+        draft = PromptLookup()
+    else:
+        draft = make_draft(
+            target,
+            kind,
+            4,
+            seed=11,
+            scale=0.3,
+            target_layer_ids=[0, 1],
+            mask_token_id=7,
+            conv_group_size=8 if kind == "dflash2" else 0,
+            selector_rank=4 if kind == "dflash2" else 0,
+        )
     prompt, n = [1, 5, 2, 6, 3], 4000
     expected = exact_joint(target, prompt, temperature, top_k).flatten().double()
 
@@ -321,6 +430,9 @@ def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k,
         return chisquare(obs.numpy(), exp.numpy()).pvalue
 
     assert pvalue() > 1e-3
+    if kind == "pld":  # lookups claimed to be drawn from a uniform q instead of their point masses must be caught
+        monkeypatch.setattr(spec, "point_mass", lambda d, v: torch.full((*d.shape, v), 1 / v))
+        assert pvalue() < 1e-6
     if kind == "dflash2":  # the same run with the q a greedy walk reports (one-hot) must be caught
         real = spec.selector_q
         monkeypatch.setattr(

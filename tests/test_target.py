@@ -328,6 +328,48 @@ def test_regenerate_fills_each_call_from_the_pool(tiny, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[2]["a"]) == 5
 
 
+def test_regenerate_marks_replies_cut_by_max_new_tokens(tiny, tmp_path, monkeypatch):
+    """A reply that reaches max_new_tokens without an end token is written `truncated`, and training then leaves
+    the end-of-turn token the template closes it with untrained; a reply the target ended keeps it trained."""
+    from dflash2.data.chat import render
+
+    records = [
+        {"id": i, "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "OLD"}]}
+        for i, q in (("c0", "Say hi."), ("c1", "Count to three."))
+    ]
+    (tmp_path / "chats.json").write_text(json.dumps(records))
+    conversations = load_conversations(str(tmp_path / "chats.json"))
+    generated, original = [], tiny.model.generate
+
+    def spy(**kwargs):
+        out = original(**kwargs)
+        generated.append(out[:, kwargs["input_ids"].shape[1] :].tolist())
+        return out
+
+    def regenerated(name):
+        regenerate(tiny, conversations, tmp_path / name, batch_size=2, max_new_tokens=4)
+        return {r["id"]: r["messages"][-1] for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+
+    monkeypatch.setattr(tiny.model, "generate", spy)
+    first = regenerated("cut.jsonl")  # the random target ends no reply within 4 tokens
+    (c0, c1) = generated[0]  # one call, the conversations in order
+    assert first["c0"]["truncated"] is True and first["c1"]["truncated"] is True
+    # Make c0's second token an end token: the target now ends c0's reply there (transformers' own stopping).
+    assert c0[1] not in c1 and c0[1] not in c0[:1]
+    monkeypatch.setattr(tiny.model.generation_config, "eos_token_id", c0[1])
+    replies = regenerated("ended.jsonl")
+    assert "truncated" not in replies["c0"] and replies["c1"]["truncated"] is True
+    assert generated[1][0][:2] == c0[:2] and generated[1][1] == c1
+
+    end_of_turn = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    data = load_conversations(str(tmp_path / "ended.jsonl"))
+    for rid, messages in zip(data["id"], data["messages"], strict=True):
+        row = render(messages, tiny.tokenizer, 512)
+        closing = max(i for i, t in enumerate(row["input_ids"]) if t == end_of_turn)  # after the last reply
+        assert row["loss_mask"][closing - 1] == 1  # the reply's own last token is trained either way
+        assert row["loss_mask"][closing] == (rid == "c0")
+
+
 def test_grouped_attention_matches_transformers_sdpa():
     """Folding the query heads that share a key/value head into the query length is the same attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

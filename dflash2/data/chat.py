@@ -2,7 +2,8 @@
 
 A conversation is `{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`.
 Files may hold ShareGPT records (`conversations: [{from, value}]`) or OpenAI ones (`messages: [{role, content}]`),
-as one JSON list or as JSON lines.
+as one JSON list or as JSON lines. An assistant turn may carry `"truncated": true` (a reply regeneration cut at
+`max_new_tokens`): its own tokens are trained, the end-of-turn token the template closes it with is not.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROLES = {
     "assistant": "assistant",
 }
 # Bump when rendering or masking changes, so cached token files are rebuilt.
-RENDER_VERSION = 1
+RENDER_VERSION = 2
 FEATURES = datasets.Features(
     {
         "id": datasets.Value("string"),
@@ -119,12 +120,15 @@ def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
             raise ValueError(
                 f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, got {turn!r}"[:400]
             )
-        role, content = turn[role_key], turn[text_key]
+        role, content, truncated = turn[role_key], turn[text_key], turn.get("truncated")
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"{where}, turn {t}: unknown role {role!r}; known roles: {sorted(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(f"{where}, turn {t}: {text_key!r} is a {type(content).__name__}, expected a string")
-        messages.append({"role": ROLES[role], "content": content})
+        if truncated is not None and not isinstance(truncated, bool):
+            raise ValueError(f"{where}, turn {t}: 'truncated' is {truncated!r}, expected true or false")
+        # Kept only where set: records without it read (and render) exactly as before.
+        messages.append({"role": ROLES[role], "content": content} | ({"truncated": True} if truncated else {}))
     # Replies before the first user turn answer nothing (split ShareGPT chats start mid-conversation).
     first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages))
     messages = [m for k, m in enumerate(messages) if k >= first_user or m["role"] == "system"]
@@ -180,7 +184,8 @@ def _end_of_turn_tokens(tokenizer: Any) -> list[str]:
 def assistant_spans(
     messages: list[dict[str, str]], tokenizer: Any, end_tokens: list[str] | None = None
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered chat and the character spans of each assistant reply plus the token that ends its turn.
+    """The rendered chat and the character spans of each assistant reply plus the token that ends its turn (the reply
+    alone when it is `truncated`: the template's end-of-turn after a cut reply is not what the target said).
 
     The template is rendered twice: once with numbered placeholders instead of contents, which exposes the
     template's own text around every message (role headers, end-of-turn tokens), and once for real. Walking the
@@ -212,7 +217,7 @@ def assistant_spans(
         if messages[k]["role"] == "assistant" and variant.strip():
             stop = end + len(after) - len(after.lstrip())
             closing = next((t for t in end_tokens if text.startswith(t, stop)), None)
-            spans.append((pos, stop + len(closing) if closing else end))
+            spans.append((pos, stop + len(closing) if closing and not messages[k].get("truncated") else end))
         pos = end + len(after)
     return text, spans
 
@@ -265,7 +270,8 @@ def _tokenize(texts: list[str], tokenizer: Any, max_length: int) -> dict[str, li
 
 def render(messages: list[dict[str, str]], tokenizer: Any, max_length: int) -> dict[str, list[int]]:
     """Chat-template tokens of one conversation (truncated to max_length) and a loss mask that is 1 exactly on
-    assistant replies and the token ending each reply, 0 on system/user turns and role headers."""
+    assistant replies and the token ending each reply (unless the reply is `truncated`), 0 on system/user turns
+    and role headers."""
     return render_batch([messages], tokenizer, max_length)[0]
 
 

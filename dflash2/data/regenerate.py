@@ -88,8 +88,8 @@ def regenerate(
                 replies = generate(
                     target, [ids for _, ids in turns], max_new_tokens, temperature, cache_implementation, max_length
                 )
-                for (key, _), reply in zip(turns, replies, strict=True):
-                    dialogues.reply(key, reply)
+                for (key, _), (reply, truncated) in zip(turns, replies, strict=True):
+                    dialogues.reply(key, reply, truncated)
                 calls += 1
             results = dialogues.pop_finished()
             # One write + fsync per call: a kill leaves at most one torn line, which the next run cuts off.
@@ -125,8 +125,10 @@ class Dialogues:
         self._conversations[key], self._new[key], self._cursor[key] = conversation, [], 0
         self._queue_next(key)
 
-    def reply(self, key: int, text: str) -> None:
-        self._new[key].append({"role": "assistant", "content": text})
+    def reply(self, key: int, text: str, truncated: bool) -> None:
+        """The new reply of `key`'s waiting turn. One cut by max_new_tokens is written with `"truncated": true`:
+        the end-of-turn token the chat template closes it with is not what the target said, so it is not trained."""
+        self._new[key].append({"role": "assistant", "content": text} | ({"truncated": True} if truncated else {}))
         self._cursor[key] += 1
         self._queue_next(key)
 
@@ -146,7 +148,8 @@ class Dialogues:
         """Queue the prompt of the next reply (after the turns regenerated so far), or finish the conversation."""
         messages, new = self._conversations[key]["messages"], self._new[key]
         while self._cursor[key] < len(messages) and messages[self._cursor[key]]["role"] != "assistant":
-            new.append(dict(messages[self._cursor[key]]))
+            # Role and content only: a dataset read from a regenerated file gives every message `truncated`.
+            new.append({k: messages[self._cursor[key]][k] for k in ("role", "content")})
             self._cursor[key] += 1
         if self._cursor[key] < len(messages) and new:  # else finished, or a reply with nothing before it
             text = self.tokenizer.apply_chat_template(
@@ -187,8 +190,10 @@ def generate(
     temperature: float,
     cache_implementation: str | None = None,
     max_cache_len: int | None = None,
-) -> list[str]:
-    """`cache_implementation="static"`: transformers preallocates the KV cache and, on CUDA, compiles the decode
+) -> list[tuple[str, bool]]:
+    """(reply text, cut by max_new_tokens) per prompt; a reply is cut when no end-of-sequence token ended it.
+
+    `cache_implementation="static"`: transformers preallocates the KV cache and, on CUDA, compiles the decode
     step into a CUDA graph, which is what makes a small target's batched generation fast. `max_cache_len` sizes
     that cache for the longest call once: otherwise each batch's own length is a new shape and a recompile."""
     config = generation_config(
@@ -201,7 +206,11 @@ def generate(
     tokenizer, model = target.tokenizer, target.model
     batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
     out = model.generate(**batch, generation_config=config)
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    replies = out[:, batch["input_ids"].shape[1] :]
+    # A finished row is padded after its end token (the pad may be eos itself); a cut one never met an end token.
+    ended = torch.isin(replies, torch.tensor(config.eos_token_id, device=replies.device)).any(-1)
+    texts = tokenizer.batch_decode(replies, skip_special_tokens=True)
+    return list(zip(texts, (~ended).tolist(), strict=True))
 
 
 def run(cfg: DictConfig) -> int:

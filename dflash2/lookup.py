@@ -1,0 +1,101 @@
+"""Prompt lookup decoding (PLD): the training-free baseline, proposing text the request already holds.
+
+It plugs into `dflash2.speculative.speculative_generate` in place of a drafter, so it is verified by the same
+lossless loop and measured by the same statistics (`python evaluate.py draft=pld`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from dflash2.speculative import Rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """The rule: for n = `max_ngram` down to `min_ngram`, look for the request's last n tokens (prompt and committed
+    output, the anchor last) earlier in those same tokens; the first n that occurs wins, and of its occurrences the
+    LAST one that is not the suffix itself (it may overlap the suffix). The proposal is the tokens that followed that
+    occurrence, up to `num_tokens` (None = B - 1) and up to the end of the request's tokens.
+
+    transformers' `PromptLookupCandidateGenerator` and vLLM's `NgramProposer` also prefer the longest n-gram, but take
+    its EARLIEST occurrence. We take the latest: in the text a model writes, repeats are local (the next line of a
+    list or a derivation, the code being edited), so the most recent copy is the one whose continuation is most
+    likely to be what comes next. The figure BENCHMARKS quotes for PLD used 15 tokens and n-grams up to 3, the
+    defaults here at B = 16.
+
+    Where the match yields fewer than B - 1 tokens (or nothing matches) the block is filled with `filler`, so every
+    block stays B wide: a filler slot is a proposal like any other, accepted only where the target itself produces
+    that token. Proposals are drawn from nothing, so at T > 0 each is a point mass (`verify` with q None), which keeps
+    the verify exactly lossless. Needs no target features and no cache of its own.
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_tokens: int | None = None
+    filler: int = 0
+
+    def __post_init__(self) -> None:
+        # Named as evaluate.py's settings are typed (configs/evaluate.yaml, group `pld`).
+        for name, value in (("max_ngram", self.max_ngram), ("min_ngram", self.min_ngram)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"pld.{name}={value!r}: it must be an integer >= 1")
+        if self.num_tokens is not None and (type(self.num_tokens) is not int or self.num_tokens < 1):
+            raise ValueError(f"pld.num_tokens={self.num_tokens!r}: an integer >= 1, or null = block_size - 1")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(
+                f"pld.min_ngram={self.min_ngram} is above pld.max_ngram={self.max_ngram}: the lookup tries n-grams "
+                "from pld.max_ngram down to pld.min_ngram"
+            )
+
+    def slots(self, block_size: int) -> int:
+        """How many of a block's B - 1 proposing slots the lookup may fill (the rest hold the filler)."""
+        if block_size < 2:
+            raise ValueError(f"block_size={block_size}: a verify block needs the anchor and at least one proposal")
+        if self.num_tokens is not None and self.num_tokens > block_size - 1:
+            raise ValueError(
+                f"pld.num_tokens={self.num_tokens} does not fit a block of block_size={block_size} "
+                f"(at most {block_size - 1} proposals); lower pld.num_tokens or raise block_size"
+            )
+        return block_size - 1 if self.num_tokens is None else self.num_tokens
+
+    def new_cache(self) -> None:
+        return None  # nothing to cache: the lookup reads the committed tokens only
+
+    def pending(self, hidden: torch.Tensor | None, kept: torch.Tensor) -> None:
+        return None  # target features are of no use to a lookup: the drafter's cache is never fed
+
+    def __call__(
+        self,
+        rows: Rows,
+        block_positions: torch.Tensor,
+        draft_cache: None,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, None]:
+        """The decode loop's proposer: (proposals [b, B-1], q None = point masses)."""
+        return self.lookup(rows.tokens, rows.lengths + 1, block_positions.shape[1]), None
+
+    def lookup(self, tokens: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Row i's tokens `tokens[i, :lengths[i]]` ([b, capacity], anything after them) -> proposals [b, B-1].
+
+        Batched on the tokens' device: for each n, every window of n tokens is compared with the row's suffix."""
+        b, capacity = tokens.shape
+        width = block_size - 1
+        follow = torch.full((b,), -1, dtype=torch.long, device=tokens.device)  # where the proposal starts, -1 = none
+        for n in range(min(self.max_ngram, capacity), self.min_ngram - 1, -1):
+            windows = tokens.unfold(1, n, 1)  # [b, capacity - n + 1, n]: windows[:, s] = tokens[:, s : s + n]
+            suffix = tokens.gather(1, (lengths[:, None] - n + torch.arange(n, device=tokens.device)).clamp(min=0))
+            starts = torch.arange(windows.shape[1], device=tokens.device)
+            # Strictly before the suffix's own start, which also keeps the window inside the row's tokens.
+            hit = (windows == suffix[:, None]).all(-1) & (starts < lengths[:, None] - n)
+            last = torch.where(hit, starts, -1).amax(-1)
+            follow = torch.where((follow < 0) & (last >= 0), last + n, follow)
+        index = follow[:, None] + torch.arange(width, device=tokens.device)
+        taken = torch.arange(width, device=tokens.device) < self.slots(block_size)
+        found = (follow[:, None] >= 0) & (index < lengths[:, None]) & taken
+        return torch.where(found, tokens.gather(1, index.clamp(0, capacity - 1)), self.filler)
