@@ -16,6 +16,7 @@ All randomness comes from one seeded `torch.Generator`, so a run is reproducible
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,10 @@ class Generation:
 
     output_ids: list[int]
     accept_lengths: list[int]
+
+
+# Told of every commit, for progress reports: (tokens committed, whether by a verify step, whether the request is done).
+OnCommit = Callable[[int, bool, bool], None]
 
 
 # ---------------------------------------------------------------------------------------------- distributions
@@ -148,10 +153,11 @@ def pad_right(prompts: list[list[int]], device: torch.device) -> tuple[torch.Ten
 class Requests:
     """Per-request Python state of one batch: tokens, accept lengths, which batch row holds which request."""
 
-    def __init__(self, n: int, max_new_tokens: int, stop_ids: set[int]) -> None:
+    def __init__(self, n: int, max_new_tokens: int, stop_ids: set[int], on_commit: OnCommit | None = None) -> None:
         self.out = [Generation([], []) for _ in range(n)]
         self.rows = list(range(n))  # batch row -> request
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.on_commit = on_commit
 
     def commit(self, row: int, tokens: list[int]) -> bool:
         """Append a step's tokens to the request at `row`, cut at a stop token / the budget; True when done."""
@@ -160,10 +166,14 @@ class Requests:
         stops = [i for i, t in enumerate(kept) if t in self.stop_ids]
         if stops:
             kept = kept[: stops[0] + 1]
-        if gen.output_ids:  # the prefill's token is not a verify step
+        verified = bool(gen.output_ids)  # the prefill's token is not a verify step
+        if verified:
             gen.accept_lengths.append(len(kept))
         gen.output_ids.extend(kept)
-        return len(gen.output_ids) >= self.max_new_tokens or bool(stops)
+        done = len(gen.output_ids) >= self.max_new_tokens or bool(stops)
+        if self.on_commit is not None:
+            self.on_commit(len(kept), verified, done)
+        return done
 
     def drop_done(self, done: list[bool]) -> torch.Tensor:
         """Forget finished rows -> indices of the rows that keep decoding."""
@@ -264,6 +274,7 @@ def speculative_generate(
     batch_size: int = 8,
     use_selector: bool = True,
     generator: torch.Generator | None = None,
+    on_commit: OnCommit | None = None,
 ) -> list[Generation]:
     """Decode every prompt with draft-then-verify steps; greedy output equals the target's own greedy output.
 
@@ -278,7 +289,7 @@ def speculative_generate(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     results: list[Generation] = []
     for start in range(0, len(prompts_ids), batch_size):
-        requests = Requests(len(prompts_ids[start : start + batch_size]), max_new_tokens, set(stop_ids))
+        requests = Requests(len(prompts_ids[start : start + batch_size]), max_new_tokens, set(stop_ids), on_commit)
         decode_batch(
             target,
             draft,
@@ -383,6 +394,7 @@ def target_generate(
     stop_ids: list[int] | set[int] = (),
     batch_size: int = 8,
     generator: torch.Generator | None = None,
+    on_commit: OnCommit | None = None,
 ) -> list[Generation]:
     """The target alone, one token per forward, with the same padding and cache machinery: the reference, and the
     autoregressive baseline (every step commits 1 token, tau = 1)."""
@@ -398,7 +410,7 @@ def target_generate(
             ids, attention_mask=key_mask, position_ids=positions, use_cache=True, logits_at=lengths - 1
         )
         token = first_token(out.logits, generator=generator, **sampling)
-        requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids))
+        requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids), on_commit)
         done = [requests.commit(i, [t]) for i, t in enumerate(token.tolist())]
         while not all(done):  # finished rows keep decoding (and are ignored): the reference favours simplicity
             key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], -1)
