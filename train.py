@@ -7,8 +7,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from dflash2.target import TargetNotFoundError
 from dflash2.training import register_resolvers, train
+from dflash2.training.checks import BAD_INPUT
 
 register_resolvers()
 
@@ -17,7 +17,7 @@ register_resolvers()
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (TargetNotFoundError, FileNotFoundError, ValueError) as e:
+    except BAD_INPUT as e:
         # Bad input (a missing model or file, an invalid setting) is the user's to fix, and the message says how.
         sys.exit(str(e))
 

@@ -34,6 +34,14 @@ DERIVED_KEYS = (
 )
 
 
+class ConfigFieldError(ValueError):
+    """An invalid field, or pair of fields written `a/b`; `fields` lets a caller name them as its users type them."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.fields, self.why = field.split("/"), why
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The published choice: one target layer per draft layer, spread evenly from layer 1 to layer N-3."""
     if num_draft_layers == 1:
@@ -84,7 +92,7 @@ class DFlash2Config:
     def validate(self) -> None:
         def need(ok: bool, field: str, why: str) -> None:
             if not ok:
-                raise ValueError(f"{field}: {why}")
+                raise ConfigFieldError(field, why)
 
         for name in (
             "hidden_size",

@@ -24,10 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash2 import kernels
 from dflash2.config import DFlash2Config
+from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
 from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
 from dflash2.model import DFlash2DraftModel
-from dflash2.speculative import Generation, speculative_generate, target_generate
+from dflash2.progress import DecodeProgress
+from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,12 @@ def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
     """The target of the `model` group and the drafter at `draft.path`, refused when trained for another target."""
     draft_dir = Path(cfg.draft.path).expanduser()
-    saved = DFlash2Config.from_pretrained(draft_dir)  # cheap: fail on a wrong folder before loading a target
+    # export.py check's contract check, from config.json and the safetensors headers: a damaged folder fails in one
+    # sentence before a target loads, instead of in a safetensors traceback after.
+    report = lint(draft_dir)
+    if not report.ok:
+        raise ValueError(f"draft.path={cfg.draft.path} fails `export.py check`: " + "; ".join(report.problems))
+    saved = DFlash2Config.from_pretrained(draft_dir)
     # The drafter decides which target layers it reads, whatever the model group suggests for training.
     target, identity = load_model_target(cfg, device, saved.target_layer_ids)
     check_manifest(saved.extra.get(MANIFEST_KEY), identity)
@@ -178,21 +185,25 @@ def generate_turns(
     conversations = [[] for _ in prompts]
     samples, seconds = [], 0.0
     n_turns = max(len(p["turns"]) for p in prompts) if multi_turn else 1
+    if warmup:  # before the progress bar too, whose tokens/s then counts what the timed passes count
+        first = render(tokenizer, [{"role": "user", "content": prompts[0]["turns"][0]}])
+        spare = torch.Generator(generator.device).manual_seed(0)
+        decode(target, draft, [first], dict(settings, max_new_tokens=16), spare)
+    requests = sum(min(len(p["turns"]), n_turns) for p in prompts)
+    progress = DecodeProgress(requests, "decode" if draft is not None else "target alone")
     for turn in range(n_turns):
         todo = [i for i, p in enumerate(prompts) if turn < len(p["turns"])]
         for i in todo:
             conversations[i].append({"role": "user", "content": prompts[i]["turns"][turn]})
         prompt_ids = [render(tokenizer, conversations[i]) for i in todo]
-        if warmup and turn == 0:
-            spare = torch.Generator(generator.device).manual_seed(0)
-            decode(target, draft, prompt_ids[:1], dict(settings, max_new_tokens=16), spare)
         start = _clock(target)
-        outputs = decode(target, draft, prompt_ids, settings, generator)
+        outputs = decode(target, draft, prompt_ids, settings, generator, progress)
         seconds += _clock(target) - start
         for i, ids, out in zip(todo, prompt_ids, outputs, strict=True):
             answer = tokenizer.decode(out.output_ids, skip_special_tokens=True)
             conversations[i].append({"role": "assistant", "content": answer})
             samples.append(_sample(prompts[i]["id"], turn, ids, out))
+    progress.close()
     return samples, seconds
 
 
@@ -202,11 +213,12 @@ def decode(
     prompt_ids: list[list[int]],
     settings: dict[str, Any],
     generator: torch.Generator,
+    on_commit: OnCommit | None = None,
 ) -> list[Generation]:
     """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None."""
     if draft is None:
-        return target_generate(target, prompt_ids, generator=generator, **settings)
-    return speculative_generate(target, draft, prompt_ids, generator=generator, **settings)
+        return target_generate(target, prompt_ids, generator=generator, on_commit=on_commit, **settings)
+    return speculative_generate(target, draft, prompt_ids, generator=generator, on_commit=on_commit, **settings)
 
 
 def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -> dict[str, Any]:
@@ -236,6 +248,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     repeats = int(cfg.repeats)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     device = resolve_device(cfg.get("device"))
     kernels.set_backend(cfg.kernels)
     if cfg.draft.path == PLD:
@@ -447,14 +461,14 @@ def log_wandb(cfg: DictConfig, results: dict[str, Any], run_dir: str | Path) -> 
 def main(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """evaluate.py: one run, or one run of a sweep. Rerunning a sweep into the same `hydra.sweep.dir` keeps the runs
     that already finished with the same settings, so a killed sweep resumes instead of starting over."""
+    # Logged, not printed: the job's evaluate.log keeps the table too.
     results = finished_run(cfg, run_dir)
     if results is not None:
-        print(format_table(results))
-        print(f"kept {Path(run_dir) / 'results.json'}: measured before with these settings (delete it to re-measure)")
+        kept = Path(run_dir) / "results.json"
+        log.info("kept %s: measured before with these settings (delete it to redo)\n%s", kept, format_table(results))
         return results
     results = evaluate(cfg, run_dir)
-    print(format_table(results))
-    print(f"wrote {Path(run_dir) / 'results.json'} and samples.jsonl")
+    log.info("wrote %s and samples.jsonl\n%s", Path(run_dir) / "results.json", format_table(results))
     if cfg.wandb.enabled:
         log_wandb(cfg, results, run_dir)
     return results

@@ -1,16 +1,23 @@
 """Turn a training checkpoint into a folder that SGLang and vLLM serve unchanged (contract sections 2 and 3).
 
 The folder is written next to its destination and renamed into place only after the linter passed it, so an
-export either fully happens or leaves nothing behind.
+export either fully happens or leaves nothing behind: on an error or SIGTERM its temp folder is removed, and the
+next export to the same place removes those of exports that were killed outright (SIGKILL, a power cut).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import pickle
 import re
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +125,8 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
     """README.md of an export: provenance, validation metrics and how to serve it with SGLang and vLLM."""
     manifest = cfg.extra.get(MANIFEST_KEY) or {}
     target = manifest.get("target") or "<target model>"
+    # What an engine loads: the hub id or folder training loaded (older checkpoints recorded only a name).
+    served = manifest.get("target_path") or f"<hub id or folder of {target}>"
     b = cfg.block_size
     kind = "DFlash2" if cfg.use_conv or cfg.use_selector else "DFlash"
     parts = []
@@ -142,7 +151,7 @@ and head. {shape}.
 
 | | |
 |---|---|
-| target | `{target}` |
+| target | `{target}`, loaded from `{served}` |
 | training data | {manifest.get("data_source", "unknown")} |
 | training steps | {info.get("step", manifest.get("training_steps", "unknown"))} |
 | dflash2 version | {manifest.get("dflash2_version", "unknown")} |
@@ -163,7 +172,7 @@ B = {b}; vLLM's `num_speculative_tokens` is the number of proposals, B - 1 = {b 
 SGLang:
 
 ```bash
-python -m sglang.launch_server --model-path {target} \\
+python -m sglang.launch_server --model-path {served} \\
     --speculative-algorithm DFLASH --speculative-draft-model-path <this folder> \\
     --speculative-num-draft-tokens {b}
 ```
@@ -171,7 +180,7 @@ python -m sglang.launch_server --model-path {target} \\
 vLLM:
 
 ```bash
-vllm serve {target} \\
+vllm serve {served} \\
     --speculative-config '{{"method": "dflash", "model": "<this folder>", "num_speculative_tokens": {b - 1}}}'
 ```
 
@@ -199,8 +208,8 @@ def export_checkpoint(
         model.config.extra[MANIFEST_KEY] = _plain(info["manifest"])
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.export-", dir=output_dir.parent))
-    try:
+    _remove_killed_exports(output_dir)
+    with _sigterm_raises(), _locked_temp_dir(output_dir) as tmp:
         quiet = logging.root.manager.disable
         logging.disable(logging.INFO)  # huggingface_hub announces the temp folder; we log the final one below
         try:
@@ -213,12 +222,73 @@ def export_checkpoint(
             raise ValueError(
                 f"the exported folder breaks the contract (a dflash2 bug, please report it):\n{report.format()}"
             )
+        _readable_by_all(tmp)
         _move_into_place(tmp, output_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("exported %s -> %s", file, output_dir)
     return output_dir
+
+
+def _temp_prefix(output_dir: Path) -> str:
+    return f".{output_dir.name}.export-"
+
+
+@contextlib.contextmanager
+def _locked_temp_dir(output_dir: Path) -> Iterator[Path]:
+    """A temp folder beside `output_dir`, locked (flock) while this process writes it, removed unless it was moved
+    into place. The kernel drops the lock when the process dies, however it dies: that marks a killed export's."""
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(output_dir), dir=output_dir.parent))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left there once moved into place
+        os.close(fd)
+
+
+def _remove_killed_exports(output_dir: Path) -> None:
+    """Remove the temp folders of exports to `output_dir` that died mid-way; a running one holds its lock."""
+    for stale in output_dir.parent.glob(_temp_prefix(output_dir) + "*"):
+        try:
+            fd = os.open(stale, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # another export is writing it
+        finally:
+            os.close(fd)
+        log.info("removing %s, left by an export that was killed", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop, `kill`) raises SystemExit while exporting, so the temp folder is cleaned up as
+    on any error; by default Python dies on it without unwinding. Signals reach the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: not set from Python
+
+
+def _readable_by_all(folder: Path) -> None:
+    """The modes a plain mkdir and file write give (the umask's), not mkdtemp's 0700 and safetensors' 0600 files, so
+    that a serving container running as another user can read the export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
 
 
 def _move_into_place(tmp: Path, output_dir: Path, overwrite: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash2 import kernels
@@ -57,8 +58,10 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """predecessor_ids [b, S, P], candidate_ids/unary [b, S, K], hidden [b, S, H] -> scores [b, S, P, K]."""
         proj = self.hidden_projection(hidden).float()
-        pred = self.predecessor_codebook[predecessor_ids].float() * proj.unsqueeze(-2)
-        succ = self.successor_codebook[candidate_ids].float()
+        # Row lookups by F.embedding rather than indexing: the same rows, with embedding's backward for the repeated
+        # ids instead of indexing's, which took 22 ms of a 141 ms SmolLM2 training step (BENCHMARKS.md, profile).
+        pred = F.embedding(predecessor_ids, self.predecessor_codebook).float() * proj.unsqueeze(-2)
+        succ = F.embedding(candidate_ids, self.successor_codebook).float()
         return unary.unsqueeze(-2) + torch.einsum("bspr,bscr->bspc", pred, succ)
 
     def build_lattice(

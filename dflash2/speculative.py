@@ -42,6 +42,10 @@ class Generation:
     accept_lengths: list[int]
 
 
+# Told of every commit, for progress reports: (tokens committed, whether by a verify step, whether the request is done).
+OnCommit = Callable[[int, bool, bool], None]
+
+
 # ---------------------------------------------------------------------------------------------- distributions
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The distribution the target samples from: softmax(logits / T) after top-k / top-p, fp32, any leading dims."""
@@ -162,10 +166,11 @@ def pad_right(prompts: list[list[int]], device: torch.device) -> tuple[torch.Ten
 class Requests:
     """Per-request Python state of one batch: tokens, accept lengths, which batch row holds which request."""
 
-    def __init__(self, n: int, max_new_tokens: int, stop_ids: set[int]) -> None:
+    def __init__(self, n: int, max_new_tokens: int, stop_ids: set[int], on_commit: OnCommit | None = None) -> None:
         self.out = [Generation([], []) for _ in range(n)]
         self.rows = list(range(n))  # batch row -> request
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.on_commit = on_commit
 
     def commit(self, row: int, tokens: list[int]) -> bool:
         """Append a step's tokens to the request at `row`, cut at a stop token / the budget; True when done."""
@@ -174,10 +179,14 @@ class Requests:
         stops = [i for i, t in enumerate(kept) if t in self.stop_ids]
         if stops:
             kept = kept[: stops[0] + 1]
-        if gen.output_ids:  # the prefill's token is not a verify step
+        verified = bool(gen.output_ids)  # the prefill's token is not a verify step
+        if verified:
             gen.accept_lengths.append(len(kept))
         gen.output_ids.extend(kept)
-        return len(gen.output_ids) >= self.max_new_tokens or bool(stops)
+        done = len(gen.output_ids) >= self.max_new_tokens or bool(stops)
+        if self.on_commit is not None:
+            self.on_commit(len(kept), verified, done)
+        return done
 
     def drop_done(self, done: list[bool]) -> torch.Tensor:
         """Forget finished rows -> indices of the rows that keep decoding."""
@@ -334,6 +343,7 @@ def speculative_generate(
     batch_size: int = 8,
     use_selector: bool = True,
     generator: torch.Generator | None = None,
+    on_commit: OnCommit | None = None,
 ) -> list[Generation]:
     """Decode every prompt with draft-then-verify steps; greedy output equals the target's own greedy output.
 
@@ -354,7 +364,7 @@ def speculative_generate(
     results: list[Generation] = []
     for start in range(0, len(prompts_ids), batch_size):
         prompts = prompts_ids[start : start + batch_size]
-        requests = Requests(len(prompts), max_new_tokens, set(stop_ids))
+        requests = Requests(len(prompts), max_new_tokens, set(stop_ids), on_commit)
         decode_batch(target, proposer, prompts, requests, block_size, sampling, generator)
         results += requests.out
     return results
@@ -429,6 +439,7 @@ def target_generate(
     stop_ids: list[int] | set[int] = (),
     batch_size: int = 8,
     generator: torch.Generator | None = None,
+    on_commit: OnCommit | None = None,
 ) -> list[Generation]:
     """The target alone, one token per forward, with the same padding and cache machinery: the reference, and the
     autoregressive baseline (every step commits 1 token, tau = 1)."""
@@ -444,7 +455,7 @@ def target_generate(
             ids, attention_mask=key_mask, position_ids=positions, use_cache=True, logits_at=lengths - 1
         )
         token = first_token(out.logits, generator=generator, **sampling)
-        requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids))
+        requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids), on_commit)
         done = [requests.commit(i, [t]) for i, t in enumerate(token.tolist())]
         while not all(done):  # finished rows keep decoding (and are ignored): the reference favours simplicity
             key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], -1)

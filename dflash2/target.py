@@ -7,6 +7,7 @@ Only the hidden states of `target_layer_ids` are kept (forward hooks), never the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -74,6 +75,7 @@ class TargetModel(nn.Module):
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._stop_after: int | None = None
+        self.compile_features = False  # see `features_model`
         # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
         params = inspect.signature(model.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -109,6 +111,7 @@ class TargetModel(nn.Module):
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         attn_implementation: str | None = None,
+        compile_features: bool = False,
     ) -> TargetModel:
         """Load by hub id, local folder, GGUF file, "smollm2" / None (the embedded default) or "tiny" (tests).
 
@@ -120,21 +123,16 @@ class TargetModel(nn.Module):
             tokenizer = AutoTokenizer.from_pretrained(_dequantized(_smollm2_folder() / SMOLLM2_GGUF))
             model = _tiny_qwen3(tokenizer).to(_dtype(dtype, torch.float32))
         else:
-            if path in (None, "smollm2"):
-                path, gguf_file = str(_smollm2_folder()), gguf_file or SMOLLM2_GGUF
-            elif str(path).endswith(".gguf") and gguf_file is None:
-                path, gguf_file = str(Path(path).expanduser().parent), Path(path).name
-            kwargs = _locate(str(path), gguf_file)
-            if gguf_file:
-                # transformers re-parses and dequantizes a GGUF on every load (~20 s even for 135M): do it once.
-                path, kwargs = str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
+            path, kwargs = _source(path, gguf_file)
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
         if attn_implementation in (None, GROUPED_SDPA):
             use_grouped_sdpa(model)
         elif attn_implementation != model.config._attn_implementation:
             model.set_attn_implementation(attn_implementation)
-        return cls(model.to(device), tokenizer, target_layer_ids)
+        target = cls(model.to(device), tokenizer, target_layer_ids)
+        target.compile_features = compile_features
+        return target
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any], device: str | torch.device = "cpu") -> TargetModel:
@@ -146,6 +144,7 @@ class TargetModel(nn.Module):
             dtype=model_cfg.get("dtype") or "auto",
             device=device,
             attn_implementation=model_cfg.get("attn_implementation"),
+            compile_features=bool(model_cfg.get("compile")),
         )
 
     # ------------------------------------------------------------------ forward
@@ -181,12 +180,16 @@ class TargetModel(nn.Module):
             inputs["logits_to_keep"] = keep
         # Training wants features only: skip the head, and the layers after the deepest captured one.
         early = not logits and not use_cache and self.target_layer_ids
-        self._stop_after = max(self.target_layer_ids) if early else None
+        compiled = early and self.compile_features and input_ids.is_cuda
+        self._stop_after = max(self.target_layer_ids) if early and not compiled else None
         self._captured.clear()
         self._capturing = True
         out = None
         try:
-            out = self.model(**inputs) if logits else self.model.base_model(**inputs)
+            if compiled:
+                out = self.features_model()(**inputs)
+            else:
+                out = self.model(**inputs) if logits else self.model.base_model(**inputs)
         except _StopForward:
             pass
         finally:
@@ -203,30 +206,63 @@ class TargetModel(nn.Module):
             past_key_values=out.get(self._cache_arg) if out is not None else None,
         )
 
+    @functools.cache  # noqa: B019 (one compiled model per target, alive as long as the target)
+    def features_model(self) -> nn.Module:
+        """The base model under torch.compile, for the training features (`compile_features`, CUDA only): eagerly a
+        small target's forward is bound by launching its many small kernels. It runs every layer (a raised stop
+        would break the graph); the hooks still capture the target layers."""
+        return torch.compile(self.model.base_model, dynamic=True)
+
     def train(self, mode: bool = True) -> TargetModel:
         # Lightning calls .train() on the whole module tree; the target must stay in eval (no dropout).
         return super().train(False)
 
     # ------------------------------------------------------------------ what the drafter inherits
     def draft_config_fields(self) -> dict[str, Any]:
-        c = self.config
-        rope = getattr(c, "rope_parameters", None)
-        theta = (rope or {}).get("rope_theta", getattr(c, "rope_theta", None))
-        return {
-            "hidden_size": self.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            "head_dim": getattr(c, "head_dim", None) or self.hidden_size // c.num_attention_heads,
-            "num_target_layers": self.num_layers,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": float(getattr(c, "rms_norm_eps", 1e-6)),
-            "rope_theta": float(theta) if theta is not None else None,
-            "rope_parameters": dict(rope) if rope else None,
-            "max_position_embeddings": c.max_position_embeddings,
-            "output_multiplier": output_multiplier(c),
-            "final_logit_softcapping": getattr(c, "final_logit_softcapping", None),
-        }
+        return draft_config_fields(self.config, self.hidden_size, self.vocab_size, self.num_layers)
+
+    @property
+    def source(self) -> str:
+        """Where the weights came from, as an engine can load them: a hub id or an absolute local folder (for a GGUF,
+        its dequantized copy); the bare name for the in-memory tiny test target."""
+        name = self.config._name_or_path
+        return str(Path(name).expanduser().absolute()) if name and Path(name).expanduser().is_dir() else name
+
+
+def draft_config_fields(
+    c: Any, hidden_size: int | None = None, vocab_size: int | None = None, num_layers: int | None = None
+) -> dict[str, Any]:
+    """The DFlash2Config fields a drafter inherits from a target's transformers config; the sizes of the loaded
+    modules, when given, win over what the config says."""
+    hidden_size = hidden_size or c.hidden_size
+    rope = getattr(c, "rope_parameters", None)
+    theta = (rope or {}).get("rope_theta", getattr(c, "rope_theta", None))
+    return {
+        "hidden_size": hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "head_dim": getattr(c, "head_dim", None) or hidden_size // c.num_attention_heads,
+        "num_target_layers": num_layers or c.num_hidden_layers,
+        "vocab_size": vocab_size or c.vocab_size,
+        "rms_norm_eps": float(getattr(c, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(theta) if theta is not None else None,
+        "rope_parameters": dict(rope) if rope else None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "output_multiplier": output_multiplier(c),
+        "final_logit_softcapping": getattr(c, "final_logit_softcapping", None),
+    }
+
+
+def load_target_config(model_cfg: Mapping[str, Any]) -> Any:
+    """The target's transformers config alone (the `model` group, as TargetModel.from_config reads it): what a check
+    reads in a second, before the weights take seconds to minutes to load."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if model_cfg.get("path") == "tiny":
+        return _tiny_qwen3_config(AutoTokenizer.from_pretrained(_dequantized(_smollm2_folder() / SMOLLM2_GGUF)))
+    path, kwargs = _source(model_cfg.get("path"), model_cfg.get("gguf_file"))
+    return AutoConfig.from_pretrained(path, **kwargs).get_text_config()
 
 
 # ---------------------------------------------------------------------- helpers
@@ -307,6 +343,20 @@ def _smollm2_folder() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+def _source(path: str | None, gguf_file: str | None) -> tuple[str, dict[str, Any]]:
+    """(folder or hub id, from_pretrained kwargs) of a `model.path`, failing in one sentence when it is nowhere to
+    be found. A GGUF is dequantized into a folder on first use: transformers would re-parse and dequantize it on
+    every load (~20 s even for 135M), and reading even its config from the GGUF takes about as long."""
+    if path in (None, "smollm2"):
+        path, gguf_file = str(_smollm2_folder()), gguf_file or SMOLLM2_GGUF
+    elif str(path).endswith(".gguf") and gguf_file is None:
+        path, gguf_file = str(Path(path).expanduser().parent), Path(path).name
+    kwargs = _locate(str(path), gguf_file)
+    if gguf_file:
+        return str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
+    return str(path), kwargs
+
+
 def _not_found(path: str, why: str) -> TargetNotFoundError:
     return TargetNotFoundError(
         f"Target model {path!r} {why}; pass model.path=/local/dir (a local folder with config.json and weights)."
@@ -376,16 +426,21 @@ def _dequantized(gguf: Path) -> Path:
     return folder
 
 
-def _tiny_qwen3(tokenizer: Any) -> nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _tiny_qwen3_config(tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
 
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         **TINY_QWEN3,
     )
+
+
+def _tiny_qwen3(tokenizer: Any) -> nn.Module:
+    from transformers import Qwen3ForCausalLM
+
     with torch.random.fork_rng(devices=[]):  # same weights every time, without touching the caller's RNG
         torch.manual_seed(0)
-        return Qwen3ForCausalLM(config).float()
+        return Qwen3ForCausalLM(_tiny_qwen3_config(tokenizer)).float()

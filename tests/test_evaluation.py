@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,34 +205,23 @@ def test_tau_sim_comes_from_the_manifest_or_the_readme(tmp_path):
     assert read_tau_sim(tmp_path, both) == 4.0 and read_tau_sim(tmp_path, both, "tau_sim_top1") == 2.0
 
 
+def evaluate_cli(cwd: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """`python evaluate.py ...` exactly as a user types it, off a terminal, W&B offline."""
+    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, str(ROOT / "evaluate.py"), *args]
+    return subprocess.run(command, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def sweep(tiny, tmp_path_factory):
-    """`python evaluate.py -m ...` exactly as a user types it: a drafter and prompt lookup x 2 benches x 2
-    temperatures, W&B offline."""
+    """A drafter and prompt lookup x 2 benches x 2 temperatures, its output to a file as under nohup or a scheduler."""
     root = tmp_path_factory.mktemp("sweep")
     draft = export_draft(tiny, root / "draft", tau_sim=1.5)
-    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "evaluate.py"),
-            "-m",
-            f"draft={draft},pld",
-            "model=tiny",
-            "bench=humaneval,sharegpt",
-            "bench.limit=2",
-            "temperature=0,1",
-            "max_new_tokens=6",
-            f"hydra.sweep.dir={root / 'multirun'}",
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = [f"draft={draft},pld", "model=tiny", "bench=humaneval,sharegpt", "bench.limit=2", "temperature=0,1"]
+    with (root / "evaluate.out").open("w") as out:
+        run = evaluate_cli(root, "-m", *args, "max_new_tokens=6", f"hydra.sweep.dir={root / 'multirun'}", stdout=out)
     assert run.returncode == 0, run.stderr[-3000:]
-    return root / "multirun", run.stdout
+    return root / "multirun", (root / "evaluate.out").read_text()
 
 
 def test_sweep_writes_runs_summary_and_plots(sweep):
@@ -253,6 +243,26 @@ def test_sweep_writes_runs_summary_and_plots(sweep):
         assert results["num_steps"] == sum(len(s["accept_lengths"]) for s in samples)
         assert list(run_dir.glob("wandb/offline-run-*")), f"no offline W&B run under {run_dir}"
     assert "tau" in stdout and "summary.csv" in stdout
+
+
+def test_each_run_logs_its_progress_and_results_off_a_terminal(sweep):
+    sweep_dir, stdout = sweep
+    logs = [p.read_text() for p in sorted(sweep_dir.glob("*/evaluate.log"))]
+    assert len(logs) == 8  # the drafter and prompt lookup x 2 benches x 2 temperatures
+    for log in logs:  # the decode's first and last progress lines (one every 30 s between), then the table
+        assert re.search(r"decode: 0/2 requests .*tokens/s, tau", log), log
+        assert re.search(r"decode: 2/2 requests .* [0-9.]+ tokens/s, tau [0-9.]+", log), log
+        assert "acceptance by slot" in log
+    assert stdout.count("decode: 2/2 requests") == 8
+
+
+def test_a_damaged_drafter_fails_in_one_sentence_before_the_target_loads(tiny, tmp_path):
+    draft = export_draft(tiny, tmp_path / "draft")
+    os.truncate(draft / "model.safetensors", (draft / "model.safetensors").stat().st_size // 2)
+    done = evaluate_cli(tmp_path, f"draft={draft}", "model=tiny", "bench.limit=1", "wandb.enabled=false")
+    assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+    (line,) = done.stderr.strip().splitlines()  # what export.py check says, on one line
+    assert f"draft.path={draft}" in line and "model.safetensors is unreadable" in line
 
 
 def test_notebook_runs_on_the_sweep(sweep, monkeypatch):

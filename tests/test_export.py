@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +197,61 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
     export_checkpoint(ckpt, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert leftovers(tmp_path, {"last.ckpt", "drafter"}) == []
+
+
+def test_export_is_readable_by_group_and_others(tmp_path):
+    """A serving container running as another user reads the folder: the modes are the umask's, as for cp or mkdir."""
+    umask = os.umask(0o022)
+    try:
+        out = export_checkpoint(write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config())), tmp_path / "drafter")
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == dict.fromkeys(
+        ["config.json", "model.safetensors", "README.md"], 0o644
+    )
+
+
+def test_sigterm_during_an_export_leaves_no_temp_folder(tmp_path):
+    """SIGTERM arrives while the folder is being written (here: from the linter's call); the export stops, cleanly."""
+    ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
+    script = (
+        "import os, signal, sys\n"
+        "import dflash2.export as export\n"
+        "export.lint = lambda path: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "export.export_checkpoint(sys.argv[1], sys.argv[2])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", script, str(ckpt), str(tmp_path / "drafter")], env=env, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM
+    assert leftovers(tmp_path, {"last.ckpt"}) == []
+
+
+def test_an_export_removes_what_killed_exports_left_and_spares_a_running_one(tmp_path):
+    ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
+    killed, running = tmp_path / ".drafter.export-killed", tmp_path / ".drafter.export-running"
+    for folder in (killed, running):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    other = tmp_path / ".other.export-killed"  # another destination's: not this export's to judge
+    other.mkdir()
+    fd = os.open(running, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a live export holds on its temp folder
+    try:
+        export_checkpoint(ckpt, tmp_path / "drafter")
+    finally:
+        os.close(fd)
+    assert leftovers(tmp_path, {"last.ckpt"}) == sorted([running.name, other.name, "drafter"])
+
+
+def test_the_model_card_serves_the_target_that_training_loaded(tmp_path):
+    identity = target_identity("smollm2", *tiny_target())
+    manifest = build_manifest(identity, "sharegpt", 42, target_path="/models/SmolLM2-135M-Instruct")
+    out = export_checkpoint(
+        write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()), manifest), tmp_path / "drafter"
+    )
+    card = (out / "README.md").read_text()
+    assert "--model-path /models/SmolLM2-135M-Instruct " in card and "vllm serve /models/SmolLM2-135M-Instruct " in card
 
 
 def test_find_checkpoint_prefers_last_then_the_highest_step(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from training_setup import ROOT, config
+from training_setup import ROOT, config, tiny_overrides
 
 from dflash2.config import tensor_shapes
 from dflash2.training import train
@@ -196,3 +196,95 @@ def test_draft_dflash_is_plain_dflash_under_every_experiment(experiment):
         dflash2 = compose("train", overrides=[f"experiment={experiment}", "draft=dflash2"]).draft
     assert {h: dflash[h] for h in heads} == dict.fromkeys(heads, 0)
     assert all(dflash2[h] > 0 for h in heads), dflash2
+
+
+# ---------------------------------------------------------------------------------------------- train.py itself
+def train_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """`python train.py ...` as a user runs it, off a terminal (stdout a file or a pipe)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "train.py", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def cli_run(chats, tmp_path_factory):
+    """A 4-step run validating at steps 2 and 4, its output to a file. With the learning rate at 0 the best checkpoint
+    stays the step-2 one, a point to resume from."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    lines = ["trainer.max_steps=4", "trainer.max_epochs=5", "trainer.val_check_interval=2", "optim.lr=0"]
+    out = run.parent / "train.out"
+    with out.open("w") as f:
+        done = train_cli(*tiny_overrides(chats, run, *lines, "trainer.check_val_every_n_epoch=null"), stdout=f)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run, out.read_text()
+
+
+def test_train_log_holds_each_validation_and_the_summary_off_a_terminal(cli_run):
+    run, stdout = cli_run
+    log = (run / "train.log").read_text()
+    for step in (0, 2, 4):
+        assert f"validation at step {step}: tau_sim " in log
+    assert "train: 4/4 steps" in log  # the steps too, at most every 30 s: here the last one only
+    assert "steps       4 in" in log and f"checkpoint  {run / 'checkpoints' / 'last.ckpt'}" in log
+    assert "validation at step 4: tau_sim " in stdout and "steps       4 in" in stdout
+
+
+def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
+    """Resumed from step 2 with nothing but the checkpoint (plus a group retyped as it was, and one new setting), the
+    run goes on to its own max_steps=4 (the defaults would train for epochs), and its record stays as it was."""
+    run, _ = cli_run
+    record = {p.name: p.read_bytes() for p in (run / ".hydra").glob("*.yaml")}
+    assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    resume = ['ckpt_path="' + str(run / "checkpoints" / "epoch=0-step=2.ckpt") + '"', "model=tiny"]
+    done = train_cli(*resume, "trainer.log_every_n_steps=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert {p.name: p.read_bytes() for p in (run / ".hydra").glob("*.yaml")} == record
+    (resumed,) = (run / ".hydra").glob("resume-*")
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(resumed / "overrides.yaml") == [*resume, "trainer.log_every_n_steps=3"]
+    cfg = OmegaConf.load(resumed / "config.yaml")
+    assert cfg.trainer.max_steps == 4 and cfg.trainer.log_every_n_steps == 3 and cfg.model.name == "tiny"
+    done = train_cli(*resume, "model=smollm2")
+    assert done.returncode != 0 and "model=smollm2" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        ("draft.conv_group_size=7", "draft.conv_group_size: 7 does not divide hidden_size 64"),
+        ("model.block_size=1", "model.block_size: is 1"),
+        ("draft.selector_top_k=0", "draft.selector_rank/draft.selector_top_k: are 8/0"),
+        ("model.target_layer_ids=[1,9]", r"model.target_layer_ids: \[9\] out of range"),
+    ],
+)
+def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
+    from dflash2.target import TargetModel
+
+    monkeypatch.setattr(TargetModel, "from_config", lambda *a, **k: pytest.fail("the target loaded first"))
+    with pytest.raises(ValueError, match=error):
+        train(config(chats, tmp_path / "run", override))
+
+
+def test_a_malformed_data_file_leaves_no_wandb_run(tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"id": "0", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "1", "messages": [\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        train(config(data, tmp_path / "run", "logger=wandb"))
+    assert not (tmp_path / "run" / "wandb").exists() and not (tmp_path / "run" / "wandb_id.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "bad, error", [("draft.conv_group_size=7", "draft.conv_group_size: 7 does not divide"), ("data", "line 1 is not")]
+)
+def test_bad_input_leaves_no_run_folder(chats, tmp_path, bad, error):
+    """train.py checks the drafter's settings and the data file before Hydra makes the run folder (and train.log)."""
+    data, overrides = chats, [bad]
+    if bad == "data":
+        data, overrides = tmp_path / "chats.jsonl", []
+        data.write_text(chats.read_text().replace("}]}", "}]", 1))  # the first record's JSON is cut short
+    done = train_cli(*tiny_overrides(data, tmp_path / "run", "logger=wandb", *overrides))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert error in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 """The frozen target wrapper, the mask-token choice and assistant-turn regeneration."""
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -15,7 +16,13 @@ from torch import nn
 
 from dflash2.data.chat import load_conversations
 from dflash2.data.regenerate import completed_ids, regenerate
-from dflash2.target import TargetModel, TargetNotFoundError, choose_mask_token
+from dflash2.target import (
+    TargetModel,
+    TargetNotFoundError,
+    choose_mask_token,
+    draft_config_fields,
+    load_target_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +94,15 @@ def test_draft_config_fields(tiny):
     assert fields["hidden_size"] == 64 and fields["head_dim"] == 16 and fields["num_key_value_heads"] == 2
     assert fields["rope_theta"] == 10000.0 and fields["output_multiplier"] == 1.0
     assert fields["final_logit_softcapping"] is None
+    # train.py's checks read the same fields from the target's config alone, before its weights load.
+    assert draft_config_fields(load_target_config({"path": "tiny"})) == fields
+
+
+def test_a_target_folder_is_recorded_by_its_absolute_path(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny.model.save_pretrained("target")
+    tiny.tokenizer.save_pretrained("target")
+    assert TargetModel.load("target").source == str(tmp_path / "target")  # what the model card's serve lines name
 
 
 def test_quantized_head_is_refused(tiny):
@@ -151,7 +167,7 @@ def test_mask_token_is_special_and_absent_from_chat(tiny):
 
 
 def test_model_configs_share_keys():
-    keys = {"name", "path", "gguf_file", "dtype", "attn_implementation", "block_size", "num_draft_layers"}
+    keys = {"name", "path", "gguf_file", "dtype", "attn_implementation", "compile", "block_size", "num_draft_layers"}
     keys |= {"mask_token_id", "target_layer_ids"}
     for file in (ROOT / "configs" / "model").glob("*.yaml"):
         assert set(yaml.safe_load(file.read_text())) == keys, file.name
@@ -186,7 +202,7 @@ def write_sharegpt(path: Path) -> None:
     path.write_text(json.dumps(records))
 
 
-def test_regenerate_writes_and_resumes(tiny, tmp_path):
+def test_regenerate_writes_and_resumes(tiny, tmp_path, caplog):
     write_sharegpt(tmp_path / "chats.json")
     out = tmp_path / "regen.jsonl"
     prompts = []
@@ -206,7 +222,9 @@ def test_regenerate_writes_and_resumes(tiny, tmp_path):
             max_new_tokens=4,
             regenerated_by="tiny",
         )
-        assert run() == 2
+        with caplog.at_level(logging.INFO, logger="dflash2.progress"):
+            assert run() == 2
+        assert "regenerate: 2/2 conversations" in caplog.text  # off a terminal the progress is logged
         records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
         assert [m["role"] for m in records["a"]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
         replies = [m["content"] for m in records["a"]["messages"] if m["role"] == "assistant"]

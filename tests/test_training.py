@@ -188,9 +188,13 @@ def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
     batch = {k: v.cuda() for k, v in batch.items()}
     results = []
     for module in (plain, fast):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = module.draft_step(batch)
-            loss = out.ce + (out.selector if out.selector is not None else 0)
+        target.compile_features = module is fast  # model.compile: the target's compiled features path too
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = module.draft_step(batch)
+                loss = out.ce + (out.selector if out.selector is not None else 0)
+        finally:
+            target.compile_features = False
         grads = torch.autograd.grad(loss, [p for p in module.draft.parameters() if p.requires_grad])
         results.append((out, grads))
     (p_out, p_grads), (f_out, f_grads) = results

@@ -22,10 +22,10 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from dflash2.data.chat import load_conversations
+from dflash2.progress import Progress
 from dflash2.target import TargetModel, TargetNotFoundError
 
 
@@ -78,7 +78,7 @@ def regenerate(
     with (
         output.open("a") as out,
         output.with_name(output.name + ".skipped").open("a") as skip,
-        tqdm(total=len(todo), desc="regenerate", unit="conv") as bar,
+        Progress(total=len(todo), desc="regenerate", unit="conversations") as bar,
     ):
         while todo or dialogues.waiting:
             while todo and len(dialogues.waiting) < batch_size:

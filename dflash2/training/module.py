@@ -198,6 +198,8 @@ class DFlash2Module(L.LightningModule):
         self.log("val_tau", metrics["tau_sim"], prog_bar=True, logger=False, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.latest_metrics = {f"val/{k}": float(v) for k, v in metrics.items()}
+            if self.trainer.is_global_zero:  # a log line, so train.log has it: the progress bar is gone off a terminal
+                log.info("validation at step %d: %s", self.global_step, validation_line(metrics))
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict[str, Any]:
@@ -239,6 +241,15 @@ class DFlash2Module(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         info = checkpoint.get("dflash2") or {}
         self.latest_metrics = dict(info.get("metrics") or {})
+
+
+def validation_line(metrics: dict[str, float]) -> str:
+    """`tau_sim 1.2061, loss 5.3125, ..., acc_1..7 0.226 0.040 ...`: the summary metrics, then the per-slot ones."""
+    slots = sorted((k for k in metrics if k.startswith("acc_")), key=lambda k: int(k.removeprefix("acc_")))
+    head = [f"{k} {metrics[k]:.4f}" for k in ("tau_sim", "tau_sim_top1", "loss") if k in metrics]
+    head += [f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k not in (*slots, "tau_sim", "tau_sim_top1", "loss")]
+    accuracies = " ".join(f"{metrics[k]:.3f}" for k in slots)
+    return ", ".join(head) + (f", acc_1..{len(slots)} {accuracies}" if slots else "")
 
 
 def freeze_backbone(draft: DFlash2DraftModel) -> None:

@@ -1,7 +1,8 @@
 """`python train.py`: build the target, data, drafter, logger and Trainer from the Hydra config, then fit.
 
-A resumed run (`ckpt_path=<run>/checkpoints/last.ckpt`) reuses its run directory and its W&B run id, and
-Lightning restores the step count, optimizer and scheduler from the checkpoint.
+A resumed run (`ckpt_path=<run>/checkpoints/last.ckpt`) reuses its run directory, its settings (from its Hydra
+record, dflash2.training.resume) and its W&B run id, and Lightning restores the step count, optimizer and scheduler
+from the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash2.config import DFlash2Config
+from dflash2.training.checks import check_config, draft_config_from, warm_start_fields
 from dflash2.training.module import DFlash2Module, run_dir_of
+from dflash2.training.resume import hydra_subdir
 
 log = logging.getLogger(__name__)
 
-DRAFT_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 WANDB_ID_FILE = "wandb_id.txt"
 
 
@@ -35,9 +37,12 @@ def _precision() -> str:
 
 
 def register_resolvers() -> None:
-    """`${dflash2_run_dir:ckpt,default}` (a resumed run keeps its folder) and `${dflash2_precision:}`."""
+    """`${dflash2_run_dir:ckpt,default}` (a resumed run keeps its folder), `${dflash2_hydra_subdir:ckpt,time}` (a
+    resume's Hydra record goes beside the run's own) and `${dflash2_precision:}`."""
     if not OmegaConf.has_resolver("dflash2_run_dir"):
         OmegaConf.register_new_resolver("dflash2_run_dir", _run_dir, use_cache=True)
+    if not OmegaConf.has_resolver("dflash2_hydra_subdir"):
+        OmegaConf.register_new_resolver("dflash2_hydra_subdir", hydra_subdir, use_cache=True)
     if not OmegaConf.has_resolver("dflash2_precision"):
         OmegaConf.register_new_resolver("dflash2_precision", _precision)
 
@@ -53,47 +58,40 @@ class ValidateAtMaxSteps(Callback):
             trainer.should_stop = True
 
 
+class LogTrainingProgress(Callback):
+    """Off a terminal, where Lightning's progress bar shows nothing until the run ends, the training steps as log
+    lines (dflash2.progress.Progress: one every LOG_INTERVAL_S) with the bar's metrics, so train.log has them."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        from dflash2.progress import Progress, interactive
+
+        if trainer.is_global_zero and not interactive():
+            total = int(trainer.estimated_stepping_batches)
+            self.bar = Progress(total=total, initial=trainer.global_step, desc="train", unit="steps", miniters=0)
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(trainer.progress_bar_metrics, refresh=False)
+            self.bar.update(trainer.global_step - self.bar.n)
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def draft_config_for(target: Any, model_cfg: DictConfig, draft_cfg: DictConfig) -> DFlash2Config:
-    """The drafter shares the target's dimensions; block, mask and layer ids come from the model group and the
-    DFlash2 parts from the draft group."""
-    fields = target.draft_config_fields()
-    fields.update(
-        num_hidden_layers=int(model_cfg.num_draft_layers),
-        block_size=int(model_cfg.block_size),
-        mask_token_id=model_cfg.get("mask_token_id"),
-        target_layer_ids=list(model_cfg.target_layer_ids) if model_cfg.get("target_layer_ids") else None,
-    )
-    fields.update({f: int(draft_cfg.get(f) or 0) for f in DRAFT_FIELDS})
-    if draft_cfg.get("layer_types"):
-        fields.update(layer_types=list(draft_cfg.layer_types), sliding_window=draft_cfg.get("sliding_window"))
-    if fields["mask_token_id"] is None:
-        raise ValueError(
-            "model.mask_token_id is not set: pick an id the target's chat never produces "
-            "(dflash2.target.choose_mask_token suggests one)"
-        )
-    return DFlash2Config(**fields)
-
-
-def check_inputs(cfg: DictConfig) -> None:
-    """Fail in one sentence, before the target loads, on a setting left unset or a data file that is not there."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ValueError("set " + ", ".join(f"{key}=..." for key in missing) + ": it has no default")
-    path = cfg.data.get("path")
-    if path and not Path(path).expanduser().is_file():
-        raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
+    """The drafter of the `model` and `draft` groups for a loaded target (dflash2.training.checks.draft_config_from)."""
+    return draft_config_from(target.draft_config_fields(), model_cfg, draft_cfg)
 
 
 def adopt_warm_start(cfg: DictConfig) -> None:
     """A warm start fixes the drafter's depth and the target layers it reads: the target must capture those."""
-    if not cfg.draft.get("init_from"):
-        return
-    saved = DFlash2Config.from_pretrained(cfg.draft.init_from)
     with open_dict(cfg):
-        for key, value in (
-            ("num_draft_layers", saved.num_hidden_layers),
-            ("target_layer_ids", list(saved.target_layer_ids)),
-        ):
+        for key, value in warm_start_fields(cfg.draft).items():
             current = cfg.model.get(key)
             if OmegaConf.is_config(current):
                 current = OmegaConf.to_object(current)
@@ -165,7 +163,7 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     from dflash2.target import TargetModel
 
     started = time.time()
-    check_inputs(cfg)
+    check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -174,14 +172,18 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
         with open_dict(cfg):
             cfg.run_dir = HydraConfig.get().runtime.output_dir
     run_dir = Path(cfg.run_dir).absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
     adopt_warm_start(cfg)
 
     target = TargetModel.from_config(cfg.model)
     draft_config = draft_config_for(target, cfg.model, cfg.draft)
     datamodule = build_data(cfg, target, draft_config)
+    # Read, tokenized and split here, before the logger and its W&B run exist: bad data leaves no run to sync.
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    run_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
         "identity": target_identity(cfg.model.name, target.config, target.tokenizer),
+        "target_path": target.source,
         "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
         "run": cfg.task_name,
     }
@@ -216,7 +218,7 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
         "seconds": time.time() - started,
     }
     if trainer.is_global_zero:
-        print(summary(result))
+        log.info("done\n%s", summary(result))  # logged: train.log keeps it, also when stdout is not a terminal
     return result
 
 
