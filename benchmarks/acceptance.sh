@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The acceptance proof on one machine with 1 or 2 GPUs (BENCHMARKS.md, "Acceptance"):
 #   regenerate ShareGPT with SmolLM2 -> train DFlash, DFlash2 (joint) and DFlash2 warm-started from the DFlash
-#   export (conv + selector only), the same data and optimizer steps -> export + check each -> evaluate the grid
-#   (6 benches x T=0,1 x block 16,8 x 3 drafters, 100 prompts each, all 80 of MT-Bench) -> time the T=0 block-16
-#   gsm8k cell of each drafter alone on the GPU, beside the target decoding alone (medians of 3 passes each).
+#   export (conv + selector only), the same data and schedule -> export + check each -> evaluate the grid
+#   (6 benches x T=0,1 x block 16,8 x 3 drafters and prompt lookup, the training-free baseline; 100 prompts each,
+#   all 80 of MT-Bench) -> time the T=0 block-16 gsm8k cell of each alone on the GPU, beside the target decoding
+#   alone (medians of 3 passes each) -> WORK_DIR/acceptance_vs_pld.json (benchmarks/acceptance_vs_pld.py).
 #
 #   bash benchmarks/acceptance.sh WORK_DIR            # e.g. /root/acceptance; rerun to resume
 #
-# Env: STEPS (optimizer steps per drafter, 600), VAL (validate every VAL steps, 300), LIMIT (ShareGPT conversations to
+# Env: STEPS (optimizer steps per drafter; unset = the experiment's whole schedule, 6 epochs, whose cosine then spans
+# them; set, the cosine spans STEPS), VAL (validate every VAL steps; unset = the experiment's 4 times an epoch), LIMIT (ShareGPT conversations to
 # regenerate, 2800: STEPS x 4 rows plus the 256 held out for validation, with room for skips), JOBS (processes sharing
 # the GPUs while the grid runs, 6: one evaluation is bound by its Python loop and leaves a GPU mostly idle), SETTINGS
 # (the grid's settings, ';'-separated, default all four of T=0,1 x block 16,8), BENCHES (the grid's benches in
@@ -25,13 +27,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=$(realpath -m "${1:?usage: bash benchmarks/acceptance.sh WORK_DIR}")
-STEPS=${STEPS:-600} VAL=${VAL:-300} LIMIT=${LIMIT:-2800} JOBS=${JOBS:-6}
+STEPS=${STEPS:-} VAL=${VAL:-} LIMIT=${LIMIT:-2800} JOBS=${JOBS:-6}
 GPUS=$(python -c "import torch; print(min(2, max(1, torch.cuda.device_count())))")
 DATA=$W/smollm2.jsonl
 mkdir -p "$W" && rm -f "$W/failed"
 regen_args=(model.dtype=bfloat16 cache_implementation=static batch_size=512)
 DRAFTERS=${DRAFTERS:-dflash,dflash2,dflash2_warm}
-train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false trainer.max_epochs=1000)
+train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false)
 eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
   regen_args=(max_new_tokens=8 batch_size=8) STEPS=4 VAL=2 LIMIT=${LIMIT_CHECK:-48}
@@ -67,11 +69,13 @@ regenerate() {
   log "regenerated: $(wc -l < "$DATA") conversations"
 }
 
+schedule=()  # the experiment's own epochs and validations unless STEPS / VAL ask for others
+if [ -n "$STEPS" ]; then schedule+=(trainer.max_steps="$STEPS" trainer.max_epochs=1000); fi
+if [ -n "$VAL" ]; then schedule+=(trainer.val_check_interval="$VAL"); fi
 train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter already checked is kept
   [ -f "$W/exports/$1.checked" ] && return 0
   if ! { on "$2" python train.py "${train_args[@]}" data.path="$DATA" run_dir="$W/runs/$1" task_name="acceptance_$1" \
-      trainer.max_steps="$STEPS" trainer.val_check_interval="$VAL" data.cache_dir="$W/data_cache/$1" \
-      "${@:3}" > "$W/train.$1.log" 2>&1 &&
+      "${schedule[@]}" data.cache_dir="$W/data_cache/$1" "${@:3}" > "$W/train.$1.log" 2>&1 &&
     python export.py ckpt_path="$W/runs/$1" output_dir="$W/exports/$1" max_shard_size=15MB overwrite=true \
       > "$W/export.$1.log" 2>&1 &&
     python export.py check="$W/exports/$1" >> "$W/export.$1.log" 2>&1; }; then
@@ -83,7 +87,7 @@ train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter alr
 
 sweep() {  # sweep NAME GPU DRAFTS OVERRIDES...: one Hydra multirun under DIR (sweeps/ unless SWEEPS is set)
   local drafts
-  drafts=$(for d in ${3//,/ }; do printf '%s,' "$W/exports/$d"; done)
+  drafts=$(for d in ${3//,/ }; do if [ "$d" = pld ]; then printf 'pld,'; else printf '%s,' "$W/exports/$d"; fi; done)
   if ! on "$2" python evaluate.py -m hydra.sweep.dir="$W/${SWEEPS:-sweeps}/$1" draft.path="${drafts%,}" \
       "${eval_args[@]}" "${@:4}" > "$W/sweep.$1.log" 2>&1; then
     fail "sweep $1: see $W/sweep.$1.log"
@@ -117,12 +121,12 @@ if stage train; then
   done_ train
 fi
 if stage grid; then
-  for d in ${DRAFTERS//,/ }; do grid "$d"; done
+  for d in ${DRAFTERS//,/ } pld; do grid "$d"; done
   finish
   done_ grid
 fi
 if stage speed; then
-  JOBS=1 SWEEPS=speed sweep gsm8k 0 "$DRAFTERS" temperature=0 block_size=16 bench=gsm8k baseline=true \
+  JOBS=1 SWEEPS=speed sweep gsm8k 0 "$DRAFTERS,pld" temperature=0 block_size=16 bench=gsm8k baseline=true \
     repeats=3
   done_ speed
 fi
@@ -130,4 +134,5 @@ for d in sweeps speed; do
   python -c "from dflash2.sweep import summarize_sweep as s; print(s('$W/$d').to_string(index=False))" \
     > "$W/$d/summary.txt"
 done
-log "summaries: $W/sweeps/summary.csv, $W/speed/summary.csv"
+python benchmarks/acceptance_vs_pld.py "$W" --drafters "$DRAFTERS"
+log "summaries: $W/sweeps/summary.csv, $W/speed/summary.csv, $W/acceptance_vs_pld.json"

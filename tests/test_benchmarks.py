@@ -8,10 +8,12 @@ must equal what torch's FLOP counter sees in a real step).
 import importlib.util
 import json
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -177,3 +179,42 @@ def test_decode_step_small_times_both_attentions(tmp_path):
         assert row["grouped_sdpa_tokens_per_s"] == pytest.approx(row["batch"] / row["grouped_sdpa_ms"] * 1e3)
         assert row["speedup"] == pytest.approx(row["sdpa_ms"] / row["grouped_sdpa_ms"])
         assert all(0 <= row[f"{a}_max_abs_error"] <= 1e-4 for a in decode_step.ATTENTIONS), row
+
+
+# ---------------------------------------------------------------------------------------------- acceptance_vs_pld.py
+def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
+    """A work folder as acceptance.sh leaves it: the T=0 block-16 taus by bench, steps/epochs/minutes, the goals."""
+    rng = random.Random()
+    benches = ["gsm8k", "humaneval", "mtbench"]
+    rows, want = [], {}
+    for bench in benches:
+        for draft, selector in (("pld", ""), ("dflash", "False"), ("dflash2", "True")):
+            tau = rng.uniform(1, 4)
+            want.setdefault(bench, {})[draft] = tau
+            rows.append([bench, draft, selector, 0.0, 16, tau])
+            rows.append([bench, draft, selector, 1.0, 16, rng.uniform(1, 4)])  # other settings are left out
+            rows.append([bench, draft, selector, 0.0, 8, rng.uniform(1, 4)])
+        rows.append([bench, "dflash2", "False", 0.0, 16, rng.uniform(1, 4)])  # the selector off: not the drafter
+    (tmp_path / "sweeps").mkdir()
+    columns = ["bench", "draft", "selector", "temperature", "block_size", "tau"]
+    pd.DataFrame(rows, columns=columns).to_csv(tmp_path / "sweeps" / "summary.csv", index=False)
+    steps, chats, batch = rng.randint(100, 5000), rng.randint(1000, 20000), rng.choice([2, 4])
+    (tmp_path / "train.dflash2.log").write_text(
+        f"[x][INFO] - {chats} training and 256 validation chats\nsteps       {steps} in 12.5 min\n"
+    )
+    (tmp_path / "runs" / "dflash2" / ".hydra").mkdir(parents=True)
+    (tmp_path / "runs" / "dflash2" / ".hydra" / "config.yaml").write_text(f"data:\n  batch_size: {batch}\n")
+    (tmp_path / "runs" / "dflash2" / ".hydra" / "overrides.yaml").write_text("- experiment=gpu_smollm2\n- a=1\n")
+    result = load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash,dflash2"])
+    assert json.loads((tmp_path / "acceptance_vs_pld.json").read_text()) == json.loads(json.dumps(result))
+    assert result["tau"].keys() == want.keys()
+    for bench in benches:
+        assert result["tau"][bench] == pytest.approx(want[bench])
+    run = result["training"]["dflash2"]
+    assert run["steps"] == steps and run["minutes"] == 12.5 and run["epochs"] == pytest.approx(steps * batch / chats)
+    assert run["command"] == "python train.py experiment=gpu_smollm2 a=1" and result["training"]["dflash"] == {}
+    ratio = want["gsm8k"]["dflash2"] / want["gsm8k"]["pld"]
+    assert result["goals"]["dflash2_over_pld"]["gsm8k"] == pytest.approx(ratio)
+    assert result["goals"]["gsm8k_1.5x_pld"] == (ratio >= 1.5)
+    above = all(want[b]["dflash2"] > want[b]["pld"] for b in benches)
+    assert result["goals"]["above_pld_everywhere"] == above

@@ -1,0 +1,96 @@
+"""The acceptance table against the training-free baseline, from a finished `benchmarks/acceptance.sh` work folder.
+
+    python benchmarks/acceptance_vs_pld.py WORK_DIR [--drafters dflash,dflash2,dflash2_warm]
+
+Reads WORK_DIR/sweeps/summary.csv (every grid run) and each drafter's training log, and writes
+WORK_DIR/acceptance_vs_pld.json: for T=0 and block 16, per bench, {"pld": tau, "<drafter>": tau, ...}; per drafter
+the training command, optimizer steps, epochs and training minutes; and the issue's goals checked against them
+(DFlash2 at least 1.5x PLD on gsm8k and above PLD on every bench, at least 1.25x DFlash on gsm8k and humaneval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+SETTING = {"temperature": 0.0, "block_size": 16}
+
+
+def taus(summary: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """{bench: {draft: tau}} at T=0, block 16; a drafter with a selector is taken with it on (its rows with it off
+    measure another proposer), one without (DFlash) or prompt lookup as it is."""
+    rows = summary[(summary.temperature == SETTING["temperature"]) & (summary.block_size == SETTING["block_size"])]
+    on = rows.selector.astype(str).isin(["True", "true", "1", "1.0"])
+    out: dict[str, dict[str, float]] = {}
+    for row, _on in sorted(zip(rows.itertuples(), on, strict=True), key=lambda r: r[1]):
+        out.setdefault(row.bench, {})[row.draft] = float(row.tau)  # the selector-on row, sorted last, wins
+    return out
+
+
+def training(log: Path, batch_size: int) -> dict[str, Any]:
+    """Steps, minutes and epochs from a train.py log (its summary and its data lines)."""
+    text = log.read_text()
+    steps = re.findall(r"steps\s+(\d+) in ([0-9.]+) min", text)
+    chats = re.findall(r"(\d+) training and \d+ validation chats", text)
+    out: dict[str, Any] = {"log": str(log)}
+    if steps:
+        out["steps"], out["minutes"] = int(steps[-1][0]), float(steps[-1][1])
+        if chats:
+            out["epochs"] = out["steps"] * batch_size / int(chats[-1])
+    return out
+
+
+def goals(table: dict[str, dict[str, float]]) -> dict[str, Any]:
+    def ratio(bench: str, a: str, b: str) -> float | None:
+        row = table.get(bench, {})
+        return row[a] / row[b] if a in row and b in row else None
+
+    vs_pld = {bench: ratio(bench, "dflash2", "pld") for bench in table}
+    return {
+        "dflash2_over_pld": vs_pld,
+        "dflash2_over_dflash": {bench: ratio(bench, "dflash2", "dflash") for bench in table},
+        "gsm8k_1.5x_pld": (vs_pld.get("gsm8k") or 0) >= 1.5,
+        "above_pld_everywhere": bool(vs_pld) and all((r or 0) > 1 for r in vs_pld.values()),
+        "1.25x_dflash_gsm8k_humaneval": all(
+            (ratio(b, "dflash2", "dflash") or 0) >= 1.25 for b in ("gsm8k", "humaneval")
+        ),
+    }
+
+
+def build(work: Path, drafters: list[str]) -> dict[str, Any]:
+    table = taus(pd.read_csv(work / "sweeps" / "summary.csv"))
+    runs = {}
+    for name in drafters:
+        log, record = work / f"train.{name}.log", work / "runs" / name / ".hydra"
+        batch_size = OmegaConf.load(record / "config.yaml").data.batch_size if (record / "config.yaml").is_file() else 4
+        runs[name] = training(log, int(batch_size)) if log.is_file() else {}
+        overrides = record / "overrides.yaml"
+        if overrides.is_file():
+            runs[name]["command"] = "python train.py " + " ".join(
+                line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()
+            )
+    return {"setting": SETTING, "tau": table, "training": runs, "goals": goals(table)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--drafters", default="dflash,dflash2,dflash2_warm")
+    args = parser.parse_args(argv)
+    result = build(args.work, [d for d in args.drafters.split(",") if d])
+    (args.work / "acceptance_vs_pld.json").write_text(json.dumps(result, indent=2) + "\n")
+    names = ["pld", *[d for d in args.drafters.split(",") if d]]
+    print("bench      " + " ".join(f"{n:>12}" for n in names))
+    for bench, row in result["tau"].items():
+        print(f"{bench:<10} " + " ".join(f"{row[n]:>12.3f}" if n in row else f"{'-':>12}" for n in names))
+    return result
+
+
+if __name__ == "__main__":
+    main()
