@@ -50,6 +50,7 @@ class TargetOutput:
     logits: torch.Tensor | None  # [b, L, V], None when called with logits=False
     hidden: torch.Tensor | None  # [b, L, n*H], captured layers concatenated in target_layer_ids order
     past_key_values: Any = None
+    final_hidden: torch.Tensor | None = None  # [b, L, H] after the final norm (the head's input), with final=True
 
 
 class _StopForward(Exception):
@@ -167,9 +168,15 @@ class TargetModel(nn.Module):
         use_cache: bool = False,
         logits: bool = True,
         logits_at: torch.Tensor | None = None,
+        final: bool = False,
     ) -> TargetOutput:
         """`logits_at` [b]: only each row's logits at that position ([b, V]); a prefill needs no more, and the
-        full [b, L, V] tensor of a long prompt at a 150k vocabulary is gigabytes."""
+        full [b, L, V] tensor of a long prompt at a 150k vocabulary is gigabytes.
+
+        `final` (with logits=False): also the final normed hidden state at every position, which soft-label
+        distillation turns into the target's distributions one chunk of rows at a time, never as [b, L, V]."""
+        if final and logits:
+            raise ValueError("final=True returns the head's input instead of the logits: call it with logits=False")
         inputs = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
         )
@@ -178,10 +185,12 @@ class TargetModel(nn.Module):
         if logits_at is not None:
             keep = torch.unique(logits_at)  # sorted; the model's own head (softcapping etc.) runs on these only
             inputs["logits_to_keep"] = keep
-        # Training wants features only: skip the head, and the layers after the deepest captured one.
-        early = not logits and not use_cache and self.target_layer_ids
-        compiled = early and self.compile_features and input_ids.is_cuda
-        self._stop_after = max(self.target_layer_ids) if early and not compiled else None
+        # Training wants features only: skip the head, and the layers after the deepest captured one (unless the
+        # final hidden state is wanted too).
+        features = not logits and not use_cache and (bool(self.target_layer_ids) or final)
+        compiled = features and self.compile_features and input_ids.is_cuda
+        early = features and not final and not compiled
+        self._stop_after = max(self.target_layer_ids) if early else None
         self._captured.clear()
         self._capturing = True
         out = None
@@ -204,6 +213,7 @@ class TargetModel(nn.Module):
             logits=out_logits,
             hidden=hidden,
             past_key_values=out.get(self._cache_arg) if out is not None else None,
+            final_hidden=out.last_hidden_state if final else None,
         )
 
     @functools.cache  # noqa: B019 (one compiled model per target, alive as long as the target)

@@ -218,3 +218,80 @@ def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     assert result["goals"]["gsm8k_1.5x_pld"] == (ratio >= 1.5)
     above = all(want[b]["dflash2"] > want[b]["pld"] for b in benches)
     assert result["goals"]["above_pld_everywhere"] == above
+
+
+# ---------------------------------------------------------------------------------------------- ablation.py
+def test_ablation_table_reads_the_last_validation_and_the_measured_tau(tmp_path):
+    """A work dir as ablation.sh leaves it, with fresh random numbers: a run resumed once (two CSV versions), one never
+    evaluated, PLD. The table takes each run's last validation and its sweeps' tau, PLD beside them."""
+    import random
+
+    import pandas as pd
+
+    ablation = load("ablation")
+    rng = random.Random()
+    benches = ["gsm8k", "humaneval", "sharegpt"]
+    truth = {}
+    for name in ("dflash2", "distill1", "dflash"):
+        run = tmp_path / "runs" / name
+        # Lightning's CSV `step` of a validation inside a fit is one behind the global step: steps 0, 2, 4, 6 here.
+        vals = [
+            {"step": s, "val/tau_sim": 1 + rng.random(), "val/loss_ce": rng.uniform(5, 10)}
+            | {f"val/acc_{k}": rng.random() for k in (1, 2, 3)}
+            for s in (0, 1, 3, 5)
+        ]
+        train_rows = [{"step": s, "train/loss": rng.random()} for s in (0, 2, 4)]
+        for version, part in enumerate((vals[:3] + train_rows[:2], vals[3:] + train_rows[2:])):
+            (run / "csv" / f"version_{version}").mkdir(parents=True)
+            pd.DataFrame(part).to_csv(run / "csv" / f"version_{version}" / "metrics.csv", index=False)
+        # A resumed run's train.log has the summary of each part; the last one is the run's.
+        (run / "train.log").write_text("done\nsteps       4 in 1.5 min\n...\nsteps       6 in 2.5 min\n")
+        truth[name] = vals[-1]
+    for name in ("dflash2", "dflash", "pld"):
+        for i, bench in enumerate(benches):
+            (tmp_path / "sweeps" / name / str(i)).mkdir(parents=True)
+            tau = 1 + rng.random()
+            (tmp_path / "sweeps" / name / str(i) / "results.json").write_text(json.dumps({"bench": bench, "tau": tau}))
+            truth.setdefault(f"tau/{name}", {})[bench] = tau
+
+    variants = {n: ablation.VARIANTS[n] for n in ("dflash2", "distill1", "dflash")}
+    result = ablation.collect(tmp_path, variants)
+    assert [r["name"] for r in result["variants"]] == list(variants)
+    for row in result["variants"]:
+        last = truth[row["name"]]
+        assert row["overrides"] == ablation.VARIANTS[row["name"]] and row["steps"] == 6 and row["train_minutes"] == 2.5
+        for key in ("tau_sim", "acc_1", "acc_2", "acc_3", "loss_ce"):
+            assert row[key] == pytest.approx(last[f"val/{key}"]), key
+        assert row["tau"] == truth.get(f"tau/{row['name']}", {})
+    assert result["pld"]["tau"] == truth["tau/pld"]
+
+    frame = ablation.table(result)
+    assert list(frame.index) == [*variants, "pld"]
+    gain = truth["dflash"]["val/tau_sim"] - truth["dflash2"]["val/tau_sim"]
+    assert frame.loc["dflash", "d_tau_sim"] == pytest.approx(gain)
+    assert frame.loc["pld", "humaneval"] == pytest.approx(truth["tau/pld"]["humaneval"])
+    assert pd.isna(frame.loc["distill1", "gsm8k"]) and pd.isna(frame.loc["pld", "tau_sim"])
+
+    ablation.main(["table", str(tmp_path), ",".join(variants)])
+    assert json.loads((tmp_path / "ablation.json").read_text()) == json.loads(json.dumps(result))
+
+
+def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(chats):
+    """Every variant's overrides compose with the GPU experiment, pass train.py's checks (the target's config.json
+    only) and change the baseline's config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dflash2.training import register_resolvers
+    from dflash2.training.checks import check_config
+
+    ablation = load("ablation")
+    register_resolvers()
+    common = ["experiment=gpu_smollm2", f"data.path={chats}", "run_dir=unused"]
+    with initialize_config_dir(config_dir=str(BENCHMARKS.parent / "configs"), version_base="1.3"):
+        configs = {name: compose("train", overrides=common + o) for name, o in ablation.VARIANTS.items()}
+    baseline = OmegaConf.to_container(configs.pop(ablation.BASELINE), resolve=True)
+    assert ablation.VARIANTS[ablation.BASELINE] == []
+    for name, cfg in configs.items():
+        check_config(cfg)
+        assert OmegaConf.to_container(cfg, resolve=True) != baseline, name

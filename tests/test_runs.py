@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -104,6 +105,45 @@ def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_
     assert result["ckpt_path"] == str(run / "checkpoints" / "last.ckpt") and result["global_step"] == 4
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+
+
+class FirstStepFc(Callback):
+    """fc's weight when the first training batch arrives (callbacks see it before the module's own hook) and right
+    before the first optimizer step."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if not hasattr(self, "start"):
+            self.start = module.draft.fc.weight.detach().clone()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        if not hasattr(self, "stepped"):
+            self.stepped = module.draft.fc.weight.detach().clone()
+
+
+def test_feature_scaling_scales_a_fresh_run_once_and_a_resume_never(chats, tmp_path, caplog):
+    """draft.feature_scaling rescales fc's column blocks at a fresh run's first step (and logs the RMS it measured);
+    a resumed run keeps the fc of its checkpoint. With draft.distill the soft CE is logged beside the hard one."""
+    import pandas as pd
+
+    run = tmp_path / "run"
+    knobs = ["draft.feature_scaling=true", "draft.distill=0.5", "trainer.max_epochs=5"]
+    fresh, resumed = FirstStepFc(), FirstStepFc()
+    with caplog.at_level(logging.INFO, logger="dflash2.training.module"):
+        first = train(config(chats, run, *knobs, "trainer.max_steps=2"), callbacks=[fresh])
+    assert len([r for r in caplog.records if r.message.startswith("feature scaling: target layers [1, 2]")]) == 1
+    h = fresh.start.shape[0]
+    ratios = (fresh.stepped / fresh.start).view(h, 2, h)  # one factor per target layer's block of columns
+    assert torch.allclose(ratios, ratios[:1, :, :1].expand_as(ratios)) and not torch.allclose(ratios, torch.ones(1))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash2.training.module"):
+        train(config(chats, run, *knobs, "trainer.max_steps=3", f"ckpt_path={first['ckpt_path']}"), callbacks=[resumed])
+    assert not [r for r in caplog.records if r.message.startswith("feature scaling")]
+    assert torch.equal(resumed.start, resumed.stepped)
+    metrics = pd.concat(pd.read_csv(f) for f in sorted(run.glob("csv/*/metrics.csv")))
+    for name in ("train/loss_ce", "train/loss_distill", "val/loss_ce", "val/loss_distill"):
+        assert metrics[name].notna().any(), name
+    # The soft CE is a cross-entropy against a spread-out distribution, not the hard one.
+    assert not (metrics["val/loss_distill"].dropna().to_numpy() == metrics["val/loss_ce"].dropna().to_numpy()).any()
 
 
 def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
@@ -257,14 +297,18 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
         ("model.block_size=1", "model.block_size: is 1"),
         ("draft.selector_top_k=0", "draft.selector_rank/draft.selector_top_k: are 8/0"),
         ("model.target_layer_ids=[1,9]", r"model.target_layer_ids: \[9\] out of range"),
+        ("draft.distill=1.5", r"draft.distill=1.5: .* must be in \[0, 1\]"),
+        ("draft.init_std=-0.02", "draft.init_std=-0.02: .* must be > 0"),
+        ("trainer=fsdp", "draft.feature_scaling=true .* FSDP"),
     ],
 )
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
     from dflash2.target import TargetModel
 
     monkeypatch.setattr(TargetModel, "from_config", lambda *a, **k: pytest.fail("the target loaded first"))
+    overrides = [override, "draft.feature_scaling=true"] if override == "trainer=fsdp" else [override]
     with pytest.raises(ValueError, match=error):
-        train(config(chats, tmp_path / "run", override))
+        train(config(chats, tmp_path / "run", *overrides))
 
 
 def test_a_malformed_data_file_leaves_no_wandb_run(tmp_path):

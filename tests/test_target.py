@@ -78,6 +78,23 @@ def test_logits_false_gives_same_hidden_and_skips_later_layers():
     torch.testing.assert_close(features.hidden, torch.cat([ref[3], ref[1]], -1), rtol=0, atol=0)
 
 
+def test_final_hidden_runs_every_layer_and_is_the_heads_input():
+    """final=True (soft-label distillation) runs past the deepest captured layer and returns the final normed hidden
+    state: the target's own logits are the head applied to it."""
+    target = TargetModel.load("tiny", target_layer_ids=[1, 0])
+    ran = []
+    target.layers[3].register_forward_hook(lambda *_: ran.append(3))
+    ids, mask = random_batch(target.vocab_size)
+    out = target(ids, attention_mask=mask, logits=False, final=True)
+    assert ran == [3] and out.logits is None and out.final_hidden.shape == (*ids.shape, target.hidden_size)
+    ref = target.model(ids, attention_mask=mask)
+    torch.testing.assert_close(out.final_hidden @ target.lm_head_weight.T, ref.logits)
+    torch.testing.assert_close(out.hidden, target(ids, attention_mask=mask, logits=False).hidden, rtol=0, atol=0)
+    assert target(ids, attention_mask=mask, logits=False).final_hidden is None
+    with pytest.raises(ValueError, match="logits=False"):
+        target(ids, attention_mask=mask, final=True)
+
+
 def test_target_is_frozen(tiny):
     tiny.train()
     assert not tiny.training and not tiny.model.training

@@ -38,6 +38,12 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return _slots(anchors, block_size).flatten(-2)
 
 
+def teacher_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Where slot k (1..B-1) of the block at anchor a takes its soft label: a + k - 1, the position whose target
+    logits predict the token at a + k, its label. [..., n] -> [..., n, B-1]."""
+    return _slots(anchors, block_size)[..., :-1]
+
+
 def block_labels(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,

@@ -7,6 +7,7 @@ behind. Every message names the setting as it is typed on the command line (`dra
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,35 @@ def warm_start_fields(draft_cfg: DictConfig) -> dict[str, Any]:
     return {"num_draft_layers": saved.num_hidden_layers, "target_layer_ids": list(saved.target_layer_ids)}
 
 
+def check_training_knobs(draft: Mapping[str, Any], strategy: Any = None) -> None:
+    """The draft group's settings that shape training only, never the export: `init_std`, `feature_scaling` and
+    `distill` (dflash2.training.module.DFlash2Module takes them), with `init_from`; `strategy` is trainer.strategy."""
+    init_std, distill = draft.get("init_std"), draft.get("distill") or 0.0
+    if init_std is not None and not (isinstance(init_std, int | float) and init_std > 0):
+        raise ValueError(
+            f"draft.init_std={init_std}: the std of the drafter's initial Linear weights must be > 0 "
+            "(SpecForge and ModelOpt use 0.02; null = PyTorch's default init)"
+        )
+    if not (isinstance(distill, int | float) and 0 <= distill <= 1):
+        raise ValueError(
+            f"draft.distill={distill}: the share of the target's own distribution in each slot's target must be in "
+            "[0, 1] (0 = the gold token only, 1 = the target's softmax only)"
+        )
+    if draft.get("init_from"):
+        for knob in ("init_std", "feature_scaling"):
+            if draft.get(knob) not in (None, False):
+                raise ValueError(
+                    f"draft.{knob}={draft[knob]} initialises a drafter built from scratch, and "
+                    f"draft.init_from={draft['init_from']} keeps the weights it loads: drop one of the two"
+                )
+    target = strategy.get("_target_", "") if isinstance(strategy, Mapping) else str(strategy or "")
+    if draft.get("feature_scaling") and "fsdp" in target.lower():
+        raise ValueError(
+            "draft.feature_scaling=true rescales fc in place at the first step, which FSDP's sharded parameters do "
+            "not allow: train with trainer=gpu or trainer=ddp, or set draft.feature_scaling=false"
+        )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Fail in one sentence on a setting left unset, a data file that is not there or a drafter field that does not
     fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
@@ -78,6 +108,7 @@ def check_config(cfg: DictConfig) -> None:
     path = cfg.data.get("path")
     if path and not Path(path).expanduser().is_file():
         raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
+    check_training_knobs(cfg.draft, cfg.trainer.get("strategy"))
     model = OmegaConf.merge(cfg.model, warm_start_fields(cfg.draft))
     draft_config_from(draft_config_fields(load_target_config(cfg.model)), model, cfg.draft)
 

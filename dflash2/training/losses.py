@@ -4,6 +4,11 @@ Everything is computed from one pass of the target head over the proposing slots
 accuracy and the selector's candidates all come from the same logits, so the full-vocabulary fp32 logits are
 materialised once per chunk of slots.
 
+Soft-label distillation (`distill` d > 0) trains slot k of the block at anchor a towards
+t = (1 - d) onehot(gold) + d softmax(target logits at a + k - 1), the target's own distribution of the token at
+a + k: the head's loss is then sum_v -t_v log p_v = (1 - d) CE_hard + d CE_soft. The teacher logits are the same
+frozen head applied to the target's final hidden state there, computed chunk by chunk beside the drafter's.
+
 `acc_k` and `tau_sim` score what decoding proposes, teacher-forced: the head's argmax for a DFlash drafter, the
 selector's pick given the gold predecessor for a DFlash2 one (its walk, not the argmax, makes the proposal, so an
 argmax-based tau_sim would mis-predict the served tau). A DFlash2 drafter's argmax path, i.e. what it proposes
@@ -59,7 +64,8 @@ def selector_alpha(step: int, alpha: float, warmup_steps: int = 0, ramp_steps: i
 
 @dataclasses.dataclass
 class DraftLosses:
-    """The two loss terms (scalars with grad) and the counts the metrics are sums of."""
+    """The two loss terms (scalars with grad) and the counts the metrics are sums of. `ce` is the cross-entropy
+    against the slots' targets: the gold tokens, mixed with the target's distributions under distillation."""
 
     ce: torch.Tensor
     selector: torch.Tensor | None
@@ -68,43 +74,71 @@ class DraftLosses:
 
 @dataclasses.dataclass
 class HeadOut:
-    """One pass of the target head over the trained rows: the weighted CE (with grad), the per-row CE (detached),
-    the argmax, and, with a selector, the top-K logits (with grad) and their ids."""
+    """One pass of the target head over the trained rows: the weighted loss (with grad), the per-row hard-label CE
+    (detached), the argmax, with a teacher the per-row soft CE (detached), and, with a selector, the top-K logits
+    (with grad) and their ids."""
 
     loss: torch.Tensor
     ce_rows: torch.Tensor
     pred: torch.Tensor
     vals: torch.Tensor | None = None
     cand: torch.Tensor | None = None
+    soft_rows: torch.Tensor | None = None
 
 
 def plain_head(
-    hidden: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, lm_head_weight: torch.Tensor, top_k: int
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    top_k: int,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> HeadOut:
-    """The reference: the whole [N, V] fp32 logits at once, autograd through them."""
+    """The reference: the whole [N, V] fp32 logits at once (and the teacher's, from its hidden rows [N, H]),
+    autograd through them."""
     logits = head_logits(hidden, lm_head_weight, lm_head_weight.shape[0])
     ce_rows = F.cross_entropy(logits, labels, reduction="none")
-    out = HeadOut((ce_rows * row_weights).sum(), ce_rows.detach(), logits.argmax(-1))
+    rows, soft_rows = ce_rows, None
+    if teacher is not None:
+        target = torch.softmax(head_logits(teacher, lm_head_weight, lm_head_weight.shape[0]), -1)
+        soft_rows = -(target * torch.log_softmax(logits, -1)).sum(-1)
+        rows = (1 - distill) * ce_rows + distill * soft_rows
+        soft_rows = soft_rows.detach()
+    out = HeadOut((rows * row_weights).sum(), ce_rows.detach(), logits.argmax(-1), soft_rows=soft_rows)
     if top_k:
         out.vals, out.cand = logits.topk(top_k, dim=-1)
     return out
 
 
 def _chunk(
-    hidden: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, weight: torch.Tensor, top_k: int, grad: bool
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    grad: bool,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> tuple[torch.Tensor | None, ...]:
-    """One chunk of rows: what `plain_head` computes from its logits, plus d(sum_i w_i ce_i)/d hidden."""
+    """One chunk of rows: what `plain_head` computes from its logits, plus d(sum_i w_i loss_i)/d hidden."""
     logits = (hidden.to(weight.dtype) @ weight.T).float()
     lse = torch.logsumexp(logits, -1)
     ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
+    soft = target = None
+    if teacher is not None:  # -sum_v q_v log p_v = lse - sum_v q_v logits_v, as the q_v sum to 1
+        target = torch.softmax((teacher.to(weight.dtype) @ weight.T).float(), -1)
+        soft = lse - (target * logits).sum(-1)
     pred = logits.argmax(-1)
     vals, cand = logits.topk(top_k, dim=-1) if top_k else (None, None)
     grad_hidden = None
-    if grad:  # d ce / d logits = softmax - onehot(label), weighted per row, then back through the head's matmul
+    if grad:  # d loss / d logits = softmax - t, t = (1-d) onehot(label) + d q; weighted per row, back through the head
         grad_logits = torch.exp(logits - lse[:, None])
-        grad_logits.scatter_add_(-1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+        if target is not None:
+            grad_logits.sub_(target, alpha=distill)
+        grad_logits.scatter_add_(-1, labels[:, None], torch.full_like(lse[:, None], -(1.0 - distill)))
         grad_hidden = (grad_logits * row_weights[:, None]).to(weight.dtype) @ weight
-    return ce, pred, vals, cand, grad_hidden
+    return ce, soft, pred, vals, cand, grad_hidden
 
 
 @functools.cache
@@ -115,37 +149,45 @@ def _compiled_chunk():
 class _FusedHead(torch.autograd.Function):
     """`plain_head` chunk by chunk, never holding more than one chunk of logits: the CE's gradient is computed in the
     forward pass (it is known there, as the loss is a fixed weighted sum), so the backward only scales it and adds
-    the top-K values' part, whose logits are rows of the head (W[cand])."""
+    the top-K values' part, whose logits are rows of the head (W[cand]). A teacher's logits exist one chunk at a
+    time too: never as an [N, V] tensor."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, row_weights, weight, top_k, chunk_rows, compiled, grad):
+    def forward(ctx, hidden, labels, row_weights, weight, top_k, chunk_rows, compiled, grad, teacher, distill):
         run = _compiled_chunk() if compiled else _chunk
+        chunks = len(labels.split(chunk_rows))
+        teachers = teacher.split(chunk_rows) if teacher is not None else [None] * chunks
         with torch.no_grad():
             parts = [
-                run(h, y, w, weight, top_k, grad)
-                for h, y, w in zip(
-                    hidden.split(chunk_rows), labels.split(chunk_rows), row_weights.split(chunk_rows), strict=True
+                run(h, y, w, weight, top_k, grad, t, distill)
+                for h, y, w, t in zip(
+                    hidden.split(chunk_rows),
+                    labels.split(chunk_rows),
+                    row_weights.split(chunk_rows),
+                    teachers,
+                    strict=True,
                 )
             ]
-        ce, pred, vals, cand, grad_hidden = (
+        ce, soft, pred, vals, cand, grad_hidden = (
             torch.cat(p) if p[0] is not None else None for p in zip(*parts, strict=True)
         )
         ctx.save_for_backward(grad_hidden, cand, weight)
         ctx.hidden_dtype, ctx.chunk_rows = hidden.dtype, chunk_rows
-        ctx.mark_non_differentiable(ce, pred, *([cand] if top_k else []))
-        loss = (ce * row_weights).sum()
-        return loss, ce, pred, vals, cand
+        ctx.mark_non_differentiable(*(t for t in (ce, soft, pred, cand if top_k else None) if t is not None))
+        rows = ce if soft is None else (1 - distill) * ce + distill * soft
+        loss = (rows * row_weights).sum()
+        return loss, ce, soft, pred, vals, cand
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _ce, _pred, grad_vals, _cand):
+    def backward(ctx, grad_loss, _ce, _soft, _pred, grad_vals, _cand):
         grad_hidden, cand, weight = ctx.saved_tensors
         grad = grad_hidden.float() * grad_loss
         if grad_vals is not None:  # d vals[i, k] / d hidden[i] = W[cand[i, k]], gathered a chunk at a time
             for rows in torch.arange(len(cand), device=cand.device).split(ctx.chunk_rows):
                 g = grad_vals[rows].to(weight.dtype)
                 grad[rows] += torch.einsum("nk,nkh->nh", g, weight[cand[rows]]).float()
-        return grad.to(ctx.hidden_dtype), None, None, None, None, None, None, None
+        return grad.to(ctx.hidden_dtype), *[None] * 9
 
 
 def fused_head(
@@ -156,15 +198,17 @@ def fused_head(
     top_k: int,
     chunk_rows: int = 0,
     compiled: bool = False,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> HeadOut:
     """What `plain_head` returns, in chunks of `chunk_rows` rows (0: as many as 1 GiB of fp32 logits holds)."""
     if chunk_rows <= 0:
         chunk_rows = max(1, 2**30 // (4 * lm_head_weight.shape[0]))
     grad = hidden.requires_grad and torch.is_grad_enabled()  # Function.forward itself runs without grad
-    loss, ce, pred, vals, cand = _FusedHead.apply(
-        hidden, labels, row_weights, lm_head_weight, top_k, chunk_rows, compiled, grad
+    loss, ce, soft, pred, vals, cand = _FusedHead.apply(
+        hidden, labels, row_weights, lm_head_weight, top_k, chunk_rows, compiled, grad, teacher, float(distill)
     )
-    return HeadOut(loss, ce, pred, vals, cand)
+    return HeadOut(loss, ce, pred, vals, cand, soft)
 
 
 def draft_losses(
@@ -179,13 +223,21 @@ def draft_losses(
     fused: bool = True,
     chunk_rows: int = 0,
     compiled: bool = False,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> DraftLosses:
     """Losses of the proposing slots.
 
     hidden [b, n, B-1, H]: draft output at slots 1..B-1 of n blocks; labels [b, n, B-1]: slot k's gold is
     the token at anchor + k (IGNORE where it is not trained); anchor_ids [b, n]; weights [B-1]. `fused` runs the
     head through `fused_head` (chunks of `chunk_rows`, `compiled` by torch.compile), else through `plain_head`.
+    teacher [b, n, B-1, H]: the target's final hidden state at anchor + k - 1 for slot k, whose softmax under the
+    head is mixed into slot k's target with weight `distill` (module docstring).
     """
+    if not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill={distill}: the soft labels' share of the target must be in [0, 1]")
+    if distill > 0 and teacher is None:
+        raise ValueError(f"distill={distill} needs the teacher: the target's final hidden states of the slots")
     slots = labels.shape[-1]
     valid = labels != IGNORE
     # The selector's predecessor of slot k is the true token before it: the anchor, then the previous gold.
@@ -193,14 +245,15 @@ def draft_losses(
     slot = torch.arange(slots, device=labels.device).expand_as(labels)
 
     h, y, k, prev = hidden[valid], labels[valid], slot[valid], previous[valid]
+    t = teacher[valid] if teacher is not None else None
     w = weights.to(h.device)[k]
     top_k = selector.top_k if selector is not None else 0
     w_sum = w.sum()
     head = lm_head_weight[:vocab_size]  # rows past the real vocabulary are padding
     if fused:
-        out = fused_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k, chunk_rows, compiled)
+        out = fused_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k, chunk_rows, compiled, t, distill)
     else:
-        out = plain_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k)
+        out = plain_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k, t, distill)
     ce, ce_rows, pred = out.loss, out.ce_rows, out.pred
 
     per_slot = torch.zeros(slots, device=h.device)
@@ -210,6 +263,8 @@ def draft_losses(
         "ce_sum": (ce_rows * w).sum(),
         "weight_sum": w_sum,
     }
+    if out.soft_rows is not None:
+        counts["distill_sum"] = (out.soft_rows * w).sum()
     if selector is None:
         return DraftLosses(ce, None, counts)
 
@@ -256,6 +311,8 @@ def metric_tensors(counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if "correct_top1" in counts:
         out["tau_sim_top1"] = 1.0 + torch.cumprod(accuracy(counts["correct_top1"]), 0).sum()
     out["loss_ce"] = counts["ce_sum"].double() / counts["weight_sum"].double().clamp_min(1e-6)
+    if "distill_sum" in counts:
+        out["loss_distill"] = counts["distill_sum"].double() / counts["weight_sum"].double().clamp_min(1e-6)
     if "topk_hit" in counts:
         out["topk_recall"] = _ratio(counts["topk_hit"], counts["topk_total"])
         out["selector_acc"] = _ratio(counts["selector_hit"], counts["selector_total"])

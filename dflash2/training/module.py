@@ -17,8 +17,10 @@ from torch.profiler import record_function
 from torchmetrics import Metric
 
 from dflash2.config import DFLASH_FIELDS, DFlash2Config
+from dflash2.data.anchors import teacher_positions
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
+from dflash2.training.checks import check_training_knobs
 from dflash2.training.losses import draft_losses, metric_tensors, selector_alpha, slot_weights, summarise
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,9 @@ class DraftMetrics(Metric):
 
     full_state_update = False
 
-    def __init__(self, slots: int, selector: bool) -> None:
+    def __init__(self, slots: int, selector: bool, distill: bool = False) -> None:
         super().__init__()
-        names = ["ce_sum", "weight_sum"]
+        names = ["ce_sum", "weight_sum"] + (["distill_sum"] if distill else [])
         if selector:
             names += ["topk_hit", "topk_total", "selector_hit", "selector_total", "selector_sum", "selector_weight_sum"]
         self.names = names
@@ -75,10 +77,14 @@ class DFlash2Module(L.LightningModule):
         fused_head: bool = True,
         logits_chunk_rows: int = 0,
         compile: bool = False,
+        init_std: float | None = None,
+        feature_scaling: bool = False,
+        distill: float = 0.0,
         manifest: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["target", "manifest"])
+        check_training_knobs(self.hparams)
         # Not a submodule: Lightning would otherwise save it, wrap it and hand it to the optimizer.
         object.__setattr__(self, "target", target)
         self.manifest = manifest or {}
@@ -91,20 +97,26 @@ class DFlash2Module(L.LightningModule):
             log.info("warm start from %s", init_from)
         else:
             self.draft = DFlash2DraftModel(config)
+            if init_std is not None:
+                for linear in backbone_linears(self.draft):
+                    torch.nn.init.normal_(linear.weight, std=init_std)
         # What the checkpoint declares is the drafter actually built (a warm start may change layers/ids).
         self.hparams["draft_config"] = self.draft.config.to_dict()
         if not train_backbone:
             freeze_backbone(self.draft)
         self.register_buffer("slot_weights", slot_weights(self.draft.config.block_size, loss_gamma), persistent=False)
         slots, has_selector = self.draft.config.block_size - 1, self.draft.candidate_selector is not None
-        self.val_metrics = DraftMetrics(slots, has_selector)
+        self.val_metrics = DraftMetrics(slots, has_selector, distill > 0)
         self.latest_metrics: dict[str, float] = {}
+        # Until the first training step of a fresh run: a restored checkpoint clears it (on_load_checkpoint).
+        self.scale_features_pending = feature_scaling
 
     # ------------------------------------------------------------------ the step
     def setup(self, stage: str) -> None:
         # Here, not in on_*_start hooks: those run under inference mode, and a target moved there would hold
         # inference tensors that autograd refuses to save (its head is in the drafter's graph).
         self.target.to(self.trainer.strategy.root_device)
+        check_training_knobs(self.hparams, type(self.trainer.strategy).__name__)
         self.compile_draft()
 
     def compile_draft(self) -> None:
@@ -119,13 +131,21 @@ class DFlash2Module(L.LightningModule):
         for flex attention does not build, and CPU tests run the same math eagerly)."""
         return bool(self.hparams.get("compile")) and self.device.type == "cuda"
 
-    def block_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Teacher-forced draft output at the proposing slots 1..B-1 of every block: [b, n, B-1, H]."""
+    def target_pass(self, batch: dict[str, torch.Tensor]) -> Any:
+        """The target's features of the batch (TargetOutput), with its final hidden states when distilling."""
+        with record_function("target"):
+            final = self.hparams.distill > 0
+            return self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False, final=final)
+
+    def block_hidden(self, batch: dict[str, torch.Tensor], features: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced draft output at the proposing slots 1..B-1 of every block: [b, n, B-1, H]. `features`: the
+        target's, when `target_pass` ran already."""
         cfg = self.draft.config
         b, length = batch["input_ids"].shape
         n = batch["anchors"].shape[1]
+        if features is None:
+            features = self.target_pass(batch).hidden
         with record_function("target"):
-            features = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False).hidden
             block_embeds = self.target.embed_tokens(batch["block_ids"])
         with record_function("block_mask"):
             mask = block_attention_mask(batch, length, cfg, self.compiled)
@@ -139,9 +159,14 @@ class DFlash2Module(L.LightningModule):
         """Teacher-forced pass over the batch's blocks -> DraftLosses."""
         cfg = self.draft.config
         b, n = batch["anchors"].shape
-        hidden = self.block_hidden(batch)
+        target = self.target_pass(batch)
+        hidden = self.block_hidden(batch, target.hidden)
         labels = batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), -100)
         anchor_ids = batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0]
+        teacher = None
+        if target.final_hidden is not None:  # slot k learns the target's distribution at anchor + k - 1
+            positions = teacher_positions(batch["anchors"], cfg.block_size).clamp(max=target.final_hidden.shape[1] - 1)
+            teacher = target.final_hidden[torch.arange(b, device=self.device)[:, None, None], positions]
         with record_function("losses"):
             return draft_losses(
                 hidden,
@@ -155,6 +180,8 @@ class DFlash2Module(L.LightningModule):
                 fused=self.hparams.get("fused_head", True),
                 chunk_rows=self.hparams.logits_chunk_rows,
                 compiled=self.compiled,
+                teacher=teacher,
+                distill=self.hparams.distill,
             )
 
     def current_selector_alpha(self) -> float:
@@ -163,15 +190,16 @@ class DFlash2Module(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.draft_step(batch)
+        # Tensors, not floats: reading them would stall the step on the device; Lightning reads them when it logs.
+        # loss_ce is the hard-label CE whatever `distill` is, so that runs stay comparable; loss_distill the soft one.
+        stats = metric_tensors(out.counts)
+        logs = {k: stats.pop(k) for k in ("loss_ce", "loss_distill") if k in stats}
+        stats.pop("loss_selector", None)
         loss = out.ce
-        logs = {"loss_ce": out.ce.detach()}
         if out.selector is not None:
             alpha = self.current_selector_alpha()
             loss = loss + alpha * out.selector
             logs |= {"loss_selector": out.selector.detach(), "selector_alpha": alpha}
-        # Tensors, not floats: reading them would stall the step on the device; Lightning reads them when it logs.
-        stats = metric_tensors(out.counts)
-        stats.pop("loss_ce"), stats.pop("loss_selector", None)
         logs |= {"loss": loss.detach(), **stats}
         self.log_dict(
             {f"train/{k}": v for k, v in logs.items()},
@@ -191,8 +219,10 @@ class DFlash2Module(L.LightningModule):
         metrics = self.val_metrics.compute()
         self.val_metrics.reset()
         metrics = {k: v for k, v in metrics.items() if not _isnan(v)}
-        if "loss_selector" in metrics:
-            metrics["loss"] = metrics["loss_ce"] + self.current_selector_alpha() * metrics["loss_selector"]
+        if "loss_selector" in metrics or "loss_distill" in metrics:  # the objective, as training_step's `loss`
+            d = self.hparams.distill
+            metrics["loss"] = (1 - d) * metrics["loss_ce"] + d * metrics.get("loss_distill", 0.0)
+            metrics["loss"] += self.current_selector_alpha() * metrics.get("loss_selector", 0.0)
         # Already summed over ranks by the metric; sync_dist only averages identical values (and keeps Lightning quiet).
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=True)
         self.log("val_tau", metrics["tau_sim"], prog_bar=True, logger=False, sync_dist=True)
@@ -200,6 +230,39 @@ class DFlash2Module(L.LightningModule):
             self.latest_metrics = {f"val/{k}": float(v) for k, v in metrics.items()}
             if self.trainer.is_global_zero:  # a log line, so train.log has it: the progress bar is gone off a terminal
                 log.info("validation at step %d: %s", self.global_step, validation_line(metrics))
+
+    # ------------------------------------------------------------------ feature scaling (draft.feature_scaling)
+    def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self.scale_features_pending:
+            self.scale_features_pending = False
+            if self.global_step == 0:
+                self.scale_features(batch)
+
+    @torch.no_grad()
+    def scale_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scale fc's column block of target layer k by s_k = (1/rms_k) / mean_j(1/rms_j), rms_k the RMS of that
+        layer's features over the batch's real tokens (summed over ranks), so that every layer enters the fused
+        context at one scale; the mean keeps fc's norm, and hidden_norm after fc makes the absolute scale moot.
+        Returns the RMS values [n]."""
+        features = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False).hidden
+        n, h = len(self.draft.config.target_layer_ids), self.draft.config.hidden_size
+        real = features[batch["attention_mask"].bool()].float().view(-1, n, h)
+        sums = torch.cat([real.pow(2).sum((0, 2)), real.new_tensor([real.shape[0] * h])])
+        if self._trainer is not None:
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        rms = (sums[:n] / sums[n]).sqrt()
+        scale = rms.reciprocal() / rms.reciprocal().mean()
+        fc = self.draft.fc.weight
+        fc.view(h, n, h).mul_(scale.to(fc.dtype)[None, :, None])
+        layers = self.draft.config.target_layer_ids
+        log.info(
+            "feature scaling: target layers %s have RMS %s over %d tokens; fc's column blocks scaled by %s",
+            layers,
+            " ".join(f"{v:.4g}" for v in rms.tolist()),
+            int(sums[n]) // h,
+            " ".join(f"{v:.4g}" for v in scale.tolist()),
+        )
+        return rms
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict[str, Any]:
@@ -241,6 +304,7 @@ class DFlash2Module(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         info = checkpoint.get("dflash2") or {}
         self.latest_metrics = dict(info.get("metrics") or {})
+        self.scale_features_pending = False  # a resumed run's fc was scaled (or not) when it started
 
 
 def validation_line(metrics: dict[str, float]) -> str:
@@ -250,6 +314,16 @@ def validation_line(metrics: dict[str, float]) -> str:
     head += [f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k not in (*slots, "tau_sim", "tau_sim_top1", "loss")]
     accuracies = " ".join(f"{metrics[k]:.3f}" for k in slots)
     return ", ".join(head) + (f", acc_1..{len(slots)} {accuracies}" if slots else "")
+
+
+def backbone_linears(draft: DFlash2DraftModel) -> list[torch.nn.Linear]:
+    """fc and every layer's attention and MLP projections: what `draft.init_std` draws from N(0, init_std), as
+    SpecForge and ModelOpt do. Not the conv's projection nor the selector: their inits are the contract's."""
+    linears = [draft.fc]
+    for layer in draft.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return linears
 
 
 def freeze_backbone(draft: DFlash2DraftModel) -> None:

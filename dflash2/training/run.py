@@ -147,6 +147,9 @@ def build_module(
         fused_head=d.get("fused_head", True),
         logits_chunk_rows=d.get("logits_chunk_rows") or 0,
         compile=bool(d.get("compile")),
+        init_std=d.get("init_std"),
+        feature_scaling=bool(d.get("feature_scaling")),
+        distill=float(d.get("distill") or 0.0),
         manifest=manifest,
     )
 

@@ -1,0 +1,144 @@
+"""The variants of benchmarks/ablation.sh and its table (issue 19, item 2: what makes the drafters use their context).
+
+python benchmarks/ablation.py variants [NAME,NAME...]     one line per variant: name, then its train.py overrides
+python benchmarks/ablation.py tokenize OVERRIDES...       fill the data cache once, for every run to read
+python benchmarks/ablation.py table WORK_DIR [NAME,...]   WORK_DIR/ablation.json and the table on stdout
+
+Every variant is the DFlash2 baseline (`experiment=gpu_smollm2`) with one thing changed, trained for the same steps on
+the same data; plain DFlash is the reference below it and prompt lookup (PLD, training-free) the one beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+VARIANTS: dict[str, list[str]] = {
+    "dflash2": [],
+    "sliding256": ["draft.layer_types=[sliding_attention,full_attention]", "draft.sliding_window=256"],
+    "feature_scaling": ["draft.feature_scaling=true"],
+    "init_std002": ["draft.init_std=0.02"],
+    "betas0999": ["optim.betas=[0.9,0.999]"],
+    "layers3": ["model.num_draft_layers=3", "model.target_layer_ids=[1,14,27]"],
+    "distill1": ["draft.distill=1.0"],
+    "distill05": ["draft.distill=0.5"],
+    "selector_alpha05": ["draft.selector_alpha=0.5"],
+    "dflash": ["draft=dflash"],
+}
+BASELINE, PLD = "dflash2", "pld"
+VAL_METRICS = ("tau_sim", "acc_1", "acc_2", "loss_ce")  # and the last slot's acc_k (acc_15 at block 16)
+
+
+def chosen(names: str | None) -> dict[str, list[str]]:
+    """The variants named in a comma-separated list (all when empty), in the table's order."""
+    wanted = [n for n in (names or "").split(",") if n] or list(VARIANTS)
+    unknown = sorted(set(wanted) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"VARIANTS: unknown {unknown}; choose from {','.join(VARIANTS)}")
+    return {n: VARIANTS[n] for n in VARIANTS if n in wanted}
+
+
+def final_validation(run_dir: Path) -> dict[str, Any]:
+    """The last validation of a run, from the CSV logger's metrics.csv (one per version: a resume adds one). Its
+    `step` column is Lightning's count of logged batches, one behind the global step inside a fit: the steps come
+    from train.log (`train_summary`)."""
+    files = sorted(run_dir.glob("csv/version_*/metrics.csv"), key=lambda f: int(f.parent.name.split("_")[1]))
+    rows = pd.concat([pd.read_csv(f) for f in files], ignore_index=True) if files else pd.DataFrame()
+    rows = rows.dropna(subset=["val/tau_sim"]) if "val/tau_sim" in rows else rows.iloc[:0]
+    if rows.empty:
+        return {}
+    last = rows.iloc[-1]  # versions in order (version_10 after version_9), rows in the order they were logged
+    slots = sorted((c for c in rows.columns if re.fullmatch(r"val/acc_\d+", c)), key=lambda c: int(c.split("_")[1]))
+    names = [f"val/{m}" for m in VAL_METRICS] + slots[-1:]
+    return {n.removeprefix("val/"): _num(last.get(n)) for n in names}
+
+
+def train_summary(run_dir: Path) -> dict[str, Any]:
+    """The global step and wall time at the end of the run's last training (train.log: `steps  N in X min`); a
+    resumed run's minutes are those of its last part."""
+    log = run_dir / "train.log"
+    found = re.findall(r"steps +(\d+) in ([0-9.]+) min", log.read_text()) if log.is_file() else []
+    if not found:
+        return {"steps": None, "train_minutes": None}
+    return {"steps": int(found[-1][0]), "train_minutes": float(found[-1][1])}
+
+
+def measured_tau(sweep_dir: Path) -> dict[str, float]:
+    """bench -> measured tau of an evaluation sweep (its runs' results.json)."""
+    from dflash2.sweep import load_runs
+
+    return {r["bench"]: float(r["tau"]) for r in load_runs(sweep_dir)} if sweep_dir.is_dir() else {}
+
+
+def collect(work_dir: Path, variants: dict[str, list[str]]) -> dict[str, Any]:
+    rows = []
+    for name, overrides in variants.items():
+        run = work_dir / "runs" / name
+        rows.append(
+            {
+                "name": name,
+                "overrides": overrides,
+                **train_summary(run),
+                **final_validation(run),
+                "tau": measured_tau(work_dir / "sweeps" / name),
+            }
+        )
+    return {"variants": rows, PLD: {"tau": measured_tau(work_dir / "sweeps" / PLD)}}
+
+
+def table(result: dict[str, Any]) -> pd.DataFrame:
+    """One row per variant (and PLD): the final validation, its change from the baseline, the measured tau."""
+    rows = [{k: v for k, v in r.items() if k not in ("overrides", "tau")} | r["tau"] for r in result["variants"]]
+    frame = pd.DataFrame(rows).set_index("name")
+    if "steps" in frame:
+        frame["steps"] = frame["steps"].astype("Int64")
+    base = frame["tau_sim"].get(BASELINE) if "tau_sim" in frame else None
+    if base is not None and pd.notna(base):
+        frame.insert(frame.columns.get_loc("tau_sim") + 1, "d_tau_sim", frame["tau_sim"] - base)
+    pld = pd.DataFrame([result[PLD]["tau"]], index=[PLD]) if result[PLD]["tau"] else None
+    return frame if pld is None else pd.concat([frame, pld])
+
+
+def tokenize(overrides: list[str]) -> None:
+    """Render and cache the chats as `train.py OVERRIDES` would, so that the runs started together only read it."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash2.target import TargetModel
+    from dflash2.training import register_resolvers
+    from dflash2.training.run import build_data, draft_config_for
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    target = TargetModel.from_config(cfg.model)
+    build_data(cfg, target, draft_config_for(target, cfg.model, cfg.draft)).prepare_data()
+
+
+def main(argv: list[str]) -> None:
+    command, args = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "variants":
+        for name, overrides in chosen(args[0] if args else None).items():
+            print(name, *overrides)
+    elif command == "tokenize":
+        tokenize(args)
+    elif command == "table" and args:
+        work_dir = Path(args[0])
+        result = collect(work_dir, chosen(args[1] if len(args) > 1 else None))
+        (work_dir / "ablation.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(table(result).to_string(float_format="{:.3f}".format))
+        print(f"wrote {work_dir / 'ablation.json'}")
+    else:
+        raise SystemExit(__doc__)
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None or pd.isna(value) else float(value)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The context ablation on one GPU (issue 19, item 2; BENCHMARKS.md, "Ablation"): the DFlash2 baseline and one change
+# at a time (benchmarks/ablation.py lists them: a sliding-window first layer, feature scaling, init std 0.02, Adam
+# betas (0.9, 0.999), 3 draft layers, soft-label distillation 1.0 and 0.5, selector weight 0.5), plain DFlash as the
+# reference, each trained for the same steps on the regenerated ShareGPT set (16,211 conversations) -> export +
+# check -> measured tau at T=0, block 16 on gsm8k, humaneval and sharegpt (100 prompts each), prompt lookup (PLD)
+# beside them -> WORK_DIR/ablation.json and a table: final val tau_sim, acc_1, acc_2, acc_15, loss_ce, measured tau.
+#
+#   bash benchmarks/ablation.sh WORK_DIR            # e.g. /root/ablation; rerun to resume
+#
+# Env: STEPS (optimizer steps per run, 1200), VAL (validate and checkpoint every VAL steps, 300), JOBS (runs sharing
+# the GPU, 4), VARIANTS (comma-separated names, default all; see `python benchmarks/ablation.py variants`), BENCHES
+# (gsm8k,humaneval,sharegpt), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
+# Resumable: a run that was killed resumes from its last checkpoint (VAL steps at most are lost), and a checked export
+# (WORK_DIR/exports/NAME.checked) and a finished evaluation (WORK_DIR/sweeps/NAME.done) are kept.
+# The chats are tokenized once, into WORK_DIR/data_cache, before the runs start.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+W=$(realpath -m "${1:?usage: bash benchmarks/ablation.sh WORK_DIR}")
+STEPS=${STEPS:-1200} VAL=${VAL:-300} JOBS=${JOBS:-4} BENCHES=${BENCHES:-gsm8k,humaneval,sharegpt}
+DATA=$W/smollm2.jsonl CACHE=$W/data_cache
+train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false trainer.max_epochs=1000)
+eval_args=(temperature=0 block_size=16 bench.limit=100 batch_size=100 wandb.enabled=false)
+if [ -n "${CHECK_ONLY:-}" ]; then
+  STEPS=4 VAL=2 JOBS=${JOBS_CHECK:-2}
+  train_args+=(trainer=cpu model.dtype=float32 data.max_length=256 data.max_anchors=8 data.val_size=8 data.limit=64
+    data.num_workers=0 data.num_proc=1)
+  eval_args=(temperature=0 block_size=16 bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
+fi
+train_args+=(data.path="$DATA" data.cache_dir="$CACHE" trainer.max_steps="$STEPS" trainer.val_check_interval="$VAL")
+mkdir -p "$W/exports" "$W/sweeps" && rm -f "$W/failed"
+log() { echo "[$(date +%T)] $*"; }
+descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do descendants "$c"; echo "$c"; done; }
+# Stopped (a time limit's SIGTERM, ^C): stop the runs it started too, so that a rerun resumes them and none runs twice.
+trap 'trap - INT TERM; log "stopped: rerun to resume"; kill $(descendants $$) 2> /dev/null; exit 143' INT TERM
+fail() { log "FAILED $*"; touch "$W/failed"; return 1; }
+spawn() {  # run a command in the background once fewer than JOBS are running
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  "$@" &
+}
+
+train() {  # train NAME OVERRIDES...: train (resuming a killed run), export and check; a checked export is kept
+  local name=$1 run=$W/runs/$1 resume=()
+  shift
+  [ -f "$W/exports/$name.checked" ] && return 0
+  if [ -f "$run/checkpoints/last.ckpt" ]; then
+    resume=(ckpt_path="$run/checkpoints/last.ckpt")  # the run's own settings and step; a finished one stops at once
+  else
+    rm -rf "$run"  # killed before its first checkpoint: start it over, without the partial logs
+  fi
+  if ! { OMP_NUM_THREADS=2 python train.py "${train_args[@]}" run_dir="$run" task_name="ablation_$name" "$@" \
+      "${resume[@]}" >> "$W/train.$name.log" 2>&1 &&
+    python export.py ckpt_path="$run" output_dir="$W/exports/$name" max_shard_size=15MB overwrite=true \
+      > "$W/export.$name.log" 2>&1 &&
+    python export.py check="$W/exports/$name" >> "$W/export.$name.log" 2>&1; }; then
+    fail "to train $name: see $W/train.$name.log and $W/export.$name.log"
+  fi
+  touch "$W/exports/$name.checked"
+  log "trained, exported and checked $name"
+}
+
+evaluate() {  # evaluate NAME DRAFT: one sweep over the benches; Hydra keeps the runs a killed sweep finished
+  [ -f "$W/sweeps/$1.done" ] && return 0
+  if ! OMP_NUM_THREADS=2 python evaluate.py -m hydra.sweep.dir="$W/sweeps/$1" draft.path="$2" bench="$BENCHES" \
+      "${eval_args[@]}" > "$W/eval.$1.log" 2>&1; then
+    fail "to evaluate $1: see $W/eval.$1.log"
+  fi
+  touch "$W/sweeps/$1.done"
+  log "evaluated $1"
+}
+
+variant() { train "$@" && evaluate "$1" "$W/exports/$1"; }
+
+if [ ! -f "$DATA" ]; then
+  gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz > "$DATA.tmp"
+  mv "$DATA.tmp" "$DATA"
+fi
+log "$(wc -l < "$DATA") conversations; tokenizing once into $CACHE"
+python benchmarks/ablation.py tokenize "${train_args[@]}" > "$W/tokenize.log" 2>&1 ||
+  { log "FAILED to tokenize: see $W/tokenize.log"; exit 1; }
+spawn evaluate pld pld
+while read -r name overrides; do
+  # shellcheck disable=SC2086  # one word per override
+  spawn variant "$name" $overrides
+done < <(python benchmarks/ablation.py variants "${VARIANTS:-}")
+wait
+python benchmarks/ablation.py table "$W" "${VARIANTS:-}" | tee "$W/ablation.txt"
+if [ -f "$W/failed" ]; then rm "$W/failed"; exit 1; fi
+log "done: $W/ablation.json"
