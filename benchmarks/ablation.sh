@@ -16,6 +16,7 @@
 # The chats are tokenized once, into WORK_DIR/data_cache, before the runs start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/lib.sh
 W=$(realpath -m "${1:?usage: bash benchmarks/ablation.sh WORK_DIR}")
 STEPS=${STEPS:-1200} VAL=${VAL:-300} JOBS=${JOBS:-4} BENCHES=${BENCHES:-gsm8k,humaneval,sharegpt}
 DATA=$W/smollm2.jsonl CACHE=$W/data_cache
@@ -50,9 +51,7 @@ train() {  # train NAME OVERRIDES...: train (resuming a killed run), export and 
   fi
   if ! { OMP_NUM_THREADS=2 python train.py "${train_args[@]}" run_dir="$run" task_name="ablation_$name" "$@" \
       "${resume[@]}" >> "$W/train.$name.log" 2>&1 &&
-    python export.py ckpt_path="$run" output_dir="$W/exports/$name" max_shard_size=15MB overwrite=true \
-      > "$W/export.$name.log" 2>&1 &&
-    python export.py check="$W/exports/$name" >> "$W/export.$name.log" 2>&1; }; then
+    export_checked "$run" "$W/exports/$name" "$W/export.$name.log"; }; then
     fail "to train $name: see $W/train.$name.log and $W/export.$name.log"
   fi
   touch "$W/exports/$name.checked"

@@ -26,6 +26,7 @@
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/lib.sh
 W=$(realpath -m "${1:?usage: bash benchmarks/acceptance.sh WORK_DIR}")
 STEPS=${STEPS:-} VAL=${VAL:-} LIMIT=${LIMIT:-2800} JOBS=${JOBS:-6}
 GPUS=$(python -c "import torch; print(min(2, max(1, torch.cuda.device_count())))")
@@ -76,9 +77,7 @@ train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter alr
   [ -f "$W/exports/$1.checked" ] && return 0
   if ! { on "$2" python train.py "${train_args[@]}" data.path="$DATA" run_dir="$W/runs/$1" task_name="acceptance_$1" \
       "${schedule[@]}" data.cache_dir="$W/data_cache/$1" "${@:3}" > "$W/train.$1.log" 2>&1 &&
-    python export.py ckpt_path="$W/runs/$1" output_dir="$W/exports/$1" max_shard_size=15MB overwrite=true \
-      > "$W/export.$1.log" 2>&1 &&
-    python export.py check="$W/exports/$1" >> "$W/export.$1.log" 2>&1; }; then
+    export_checked "$W/runs/$1" "$W/exports/$1" "$W/export.$1.log"; }; then
     fail "to train $1: see $W/train.$1.log and $W/export.$1.log"
   fi
   touch "$W/exports/$1.checked"
