@@ -58,7 +58,13 @@ class _StopForward(Exception):
 
 
 class TargetModel(nn.Module):
-    def __init__(self, model: nn.Module, tokenizer: Any, target_layer_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        target_layer_ids: list[int] | None = None,
+        compile_features: bool = False,
+    ):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -76,7 +82,7 @@ class TargetModel(nn.Module):
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._stop_after: int | None = None
-        self.compile_features = False  # see `features_model`
+        self.compile_features = compile_features  # see `features_model`
         # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
         params = inspect.signature(model.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -131,9 +137,7 @@ class TargetModel(nn.Module):
             use_grouped_sdpa(model)
         elif attn_implementation != model.config._attn_implementation:
             model.set_attn_implementation(attn_implementation)
-        target = cls(model.to(device), tokenizer, target_layer_ids)
-        target.compile_features = compile_features
-        return target
+        return cls(model.to(device), tokenizer, target_layer_ids, compile_features)
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any], device: str | torch.device = "cpu") -> TargetModel:

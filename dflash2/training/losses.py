@@ -234,8 +234,6 @@ def draft_losses(
     teacher [b, n, B-1, H]: the target's final hidden state at anchor + k - 1 for slot k, whose softmax under the
     head is mixed into slot k's target with weight `distill` (module docstring).
     """
-    if not 0.0 <= distill <= 1.0:
-        raise ValueError(f"distill={distill}: the soft labels' share of the target must be in [0, 1]")
     if distill > 0 and teacher is None:
         raise ValueError(f"distill={distill} needs the teacher: the target's final hidden states of the slots")
     slots = labels.shape[-1]
@@ -249,11 +247,8 @@ def draft_losses(
     w = weights.to(h.device)[k]
     top_k = selector.top_k if selector is not None else 0
     w_sum = w.sum()
-    head = lm_head_weight[:vocab_size]  # rows past the real vocabulary are padding
-    if fused:
-        out = fused_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k, chunk_rows, compiled, t, distill)
-    else:
-        out = plain_head(h, y, w / w_sum.clamp_min(1e-6), head, top_k, t, distill)
+    rows = (h, y, w / w_sum.clamp_min(1e-6), lm_head_weight[:vocab_size], top_k)  # rows past the vocab are padding
+    out = fused_head(*rows, chunk_rows, compiled, t, distill) if fused else plain_head(*rows, t, distill)
     ce, ce_rows, pred = out.loss, out.ce_rows, out.pred
 
     per_slot = torch.zeros(slots, device=h.device)
