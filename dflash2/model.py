@@ -138,7 +138,9 @@ class Attention(nn.Module):
             kc, vc = cache.update(self.layer, kc, vc)
         k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
         if BlockMask is not None and isinstance(mask, BlockMask):
-            attend = compiled_flex_attention() if qh.is_cuda else flex_attention
+            # Inside a compiled drafter flex attention is traced into its graph; a nested torch.compile would break it.
+            eager = not qh.is_cuda or torch.compiler.is_compiling()
+            attend = flex_attention if eager else compiled_flex_attention()
             out = attend(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
         else:
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)

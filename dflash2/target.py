@@ -6,15 +6,15 @@ Only the hidden states of `target_layer_ids` are kept (forward hooks), never the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import hashlib
 import importlib.util
 import inspect
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,8 @@ class TargetModel(nn.Module):
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._stop_after: int | None = None
-        self.compile_features = compile_features  # see `features_model`
+        self.compile_features = compile_features  # see `compiled_layers`
+        self._compiled_forwards: list[Any] | None = None
         # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
         params = inspect.signature(model.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -192,16 +193,12 @@ class TargetModel(nn.Module):
         # Training wants features only: skip the head, and the layers after the deepest captured one (unless the
         # final hidden state is wanted too).
         features = not logits and not use_cache and (bool(self.target_layer_ids) or final)
-        compiled = features and self.compile_features and input_ids.is_cuda
-        early = features and not final and not compiled
-        self._stop_after = max(self.target_layer_ids) if early else None
+        self._stop_after = max(self.target_layer_ids) if features and not final else None
         self._captured.clear()
         self._capturing = True
         out = None
         try:
-            if compiled:
-                out = self.features_model()(**inputs)
-            else:
+            with self.compiled_layers(features and self.compile_features and input_ids.is_cuda):
                 out = self.model(**inputs) if logits else self.model.base_model(**inputs)
         except _StopForward:
             pass
@@ -220,12 +217,25 @@ class TargetModel(nn.Module):
             final_hidden=out.last_hidden_state if final else None,
         )
 
-    @functools.cache  # noqa: B019 (one compiled model per target, alive as long as the target)
-    def features_model(self) -> nn.Module:
-        """The base model under torch.compile, for the training features (`compile_features`, CUDA only): eagerly a
-        small target's forward is bound by launching its many small kernels. It runs every layer (a raised stop
-        would break the graph); the hooks still capture the target layers."""
-        return torch.compile(self.model.base_model, dynamic=True)
+    @contextlib.contextmanager
+    def compiled_layers(self, on: bool = True) -> Iterator[None]:
+        """Every decoder layer's forward under torch.compile while the block runs (`compile_features`: the training
+        features, on CUDA): eagerly, a small target's forward is bound by launching its many small kernels. Per layer
+        rather than the whole model, so that the layer loop, the stop after the deepest captured layer, the hooks and
+        transformers' mask logic stay eager (compiled whole, transformers materialises a dense mask that keeps SDPA
+        off its flash kernels); the layers share one graph."""
+        if not on:
+            yield
+            return
+        if self._compiled_forwards is None:
+            self._compiled_forwards = [torch.compile(layer.forward, dynamic=True) for layer in self.layers]
+        for layer, forward in zip(self.layers, self._compiled_forwards, strict=True):
+            layer.forward = forward  # an instance attribute: it shadows the class's forward until deleted below
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                del layer.forward
 
     def train(self, mode: bool = True) -> TargetModel:
         # Lightning calls .train() on the whole module tree; the target must stay in eval (no dropout).

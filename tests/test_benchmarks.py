@@ -295,3 +295,18 @@ def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(c
     for name, cfg in configs.items():
         check_config(cfg)
         assert OmegaConf.to_container(cfg, resolve=True) != baseline, name
+
+
+def test_random_weight_smollm2_has_the_embedded_targets_architecture():
+    """--random-weights measures the SmolLM2 step without the GGUF: only if its architecture is the real one."""
+    from dflash2.target import load_target_config
+
+    bench = load("train_throughput")
+    bench.register_resolvers()
+    cfg = bench.compose_preset("smollm2", small=False)
+    real = load_target_config(cfg.model)
+    target = bench.build_target("smollm2", cfg, small=False, device=torch.device("meta"), random_weights=True)
+    assert type(target.model).__name__ == real.architectures[0]
+    for key in (*bench.SMOLLM2, "hidden_act", "attention_bias", "mlp_bias"):
+        want = getattr(real, key)  # the GGUF stores floats in single precision
+        assert getattr(target.config, key) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), key

@@ -300,51 +300,71 @@ def random_blocks(gen, batch=3, context_len=37, block_size=4):
     return anchors, valid, lengths, context_valid
 
 
-@pytest.mark.parametrize("sliding", [False, True])
-def test_dense_and_flex_masks_match_brute_force(sliding):
-    gen = torch.Generator().manual_seed(random.randrange(2**31))
-    context_len, block_size = 37, 4
-    window = int(torch.randint(block_size, 20, (), generator=gen)) if sliding else None
-    anchors, valid, lengths, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
-    want = brute_force_mask(anchors, valid, lengths, context_len, block_size, window)
-    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid, window)
-    assert torch.equal(dense, want)
-    assert dense.any(-1).all()  # every query (padded blocks included) sees at least its own block
-    # Right padding: with anchors inside each row, omitting context_valid changes nothing.
-    assert torch.equal(dense_block_mask(anchors, valid, context_len, block_size, window=window), want)
-    if sliding:  # the window bites: some context an unwindowed block would see is cut
-        assert not torch.equal(want, brute_force_mask(anchors, valid, lengths, context_len, block_size))
+def tiles_of(num_blocks: torch.Tensor, indices: torch.Tensor, kv_tiles: int) -> torch.Tensor:
+    """A BlockMask's [b, 1, q_tiles] counts and [b, 1, q_tiles, kv_tiles] ordered ids -> bool [b, q_tiles, kv_tiles]."""
+    b, _, q_tiles = num_blocks.shape
+    out = torch.zeros(b, q_tiles, kv_tiles, dtype=torch.bool)
+    for i in range(b):
+        for t in range(q_tiles):
+            out[i, t, indices[i, 0, t, : num_blocks[i, 0, t]].long()] = True
+    return out
 
-    b, n = anchors.shape
-    q_len, kv_len = n * block_size, context_len + n * block_size
-    block_mask = flex_block_mask(
-        anchors, valid, context_len, block_size, context_valid, window, device="cpu", BLOCK_SIZE=16
-    )
-    assert torch.equal(create_mask(block_mask.mask_mod, b, 1, q_len, kv_len, device="cpu"), want)
-    # The block-level sparsity must not drop a tile that holds a visible key.
-    tiles = block_mask.to_dense()[:, :, : -(-q_len // 16), : -(-kv_len // 16)].bool()
-    pad = torch.nn.functional.pad(want, (0, -kv_len % 16, 0, -q_len % 16))
-    needed = pad.unflatten(2, (-1, 16)).unflatten(4, (-1, 16)).any(3).any(-1)
-    assert (tiles | ~needed).all()
-    limit = torch.where(valid, anchors, 0)
-    known = torch.cat([context_valid, torch.zeros(b, q_len, dtype=torch.bool)], 1)
-    mod = block_mask_mod(limit, known, context_len, block_size, window)
-    assert torch.equal(create_mask(mod, b, 1, q_len, kv_len), want)
+
+@pytest.mark.parametrize("block_size", [3, 4])
+@pytest.mark.parametrize("sliding", [False, True])
+def test_dense_and_flex_masks_match_brute_force(sliding, block_size):
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    context_len, tile, attended_whole, window_bites = 37, 8, 0, False
+    for _ in range(6):  # several draws, so that some tiles are attended without the mask (asserted at the end)
+        # Windows from B + 12 keys: wide enough that some 8-key tile can lie inside every window of a query tile.
+        window = int(torch.randint(block_size + 12, 24, (), generator=gen)) if sliding else None
+        anchors, valid, lengths, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
+        want = brute_force_mask(anchors, valid, lengths, context_len, block_size, window)
+        dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid, window)
+        assert torch.equal(dense, want)
+        assert dense.any(-1).all()  # every query (padded blocks included) sees at least its own block
+        # Right padding: with anchors inside each row, omitting context_valid changes nothing.
+        assert torch.equal(dense_block_mask(anchors, valid, context_len, block_size, window=window), want)
+
+        b, n = anchors.shape
+        q_len, kv_len = n * block_size, context_len + n * block_size
+        block_mask = flex_block_mask(
+            anchors, valid, context_len, block_size, context_valid, window, device="cpu", BLOCK_SIZE=tile
+        )
+        assert torch.equal(create_mask(block_mask.mask_mod, b, 1, q_len, kv_len, device="cpu"), want)
+        # Tile by tile (blocks straddle query tiles when B does not divide 8): a skipped tile holds no visible key,
+        # and a tile attended without the mask holds only visible ones.
+        kv_tiles = -(-kv_len // tile)
+        partial = tiles_of(block_mask.kv_num_blocks, block_mask.kv_indices, kv_tiles)
+        full = tiles_of(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_tiles)
+        assert not (partial & full).any()
+        element = lambda t: t.repeat_interleave(tile, 1).repeat_interleave(tile, 2)[:, None, :q_len, :kv_len]  # noqa: E731,B023
+        assert torch.equal(element(full) | (element(partial) & want), want)
+        attended_whole += int(full.sum())
+        limit = torch.where(valid, anchors, 0)
+        known = torch.cat([context_valid, torch.zeros(b, q_len, dtype=torch.bool)], 1)
+        mod = block_mask_mod(limit, known, context_len, block_size, window)
+        assert torch.equal(create_mask(mod, b, 1, q_len, kv_len), want)
+        # The window bites: some context an unwindowed block would see is cut.
+        window_bites |= not torch.equal(want, brute_force_mask(anchors, valid, lengths, context_len, block_size))
+    assert attended_whole > 0 and window_bites == sliding
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_agrees_with_dense_attention():
+@pytest.mark.parametrize("sliding", [False, True])
+def test_flex_attention_agrees_with_dense_attention(sliding):
     from torch.nn.attention.flex_attention import flex_attention
 
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     context_len, block_size = 37, 4
+    window = int(torch.randint(block_size, 20, (), generator=gen)) if sliding else None
     anchors, valid, _, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
     b, n = anchors.shape
     q = torch.randn(b, 2, n * block_size, 16, generator=gen)
     k, v = (torch.randn(b, 2, context_len + n * block_size, 16, generator=gen) for _ in range(2))
-    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid)
+    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid, window)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
-    block_mask = flex_block_mask(anchors, valid, context_len, block_size, context_valid, BLOCK_SIZE=16)
+    block_mask = flex_block_mask(anchors, valid, context_len, block_size, context_valid, window, BLOCK_SIZE=16)
     got = flex_attention(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

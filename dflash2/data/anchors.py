@@ -123,30 +123,61 @@ def flex_block_mask(
     context_valid: torch.Tensor | None = None,
     window: int | None = None,
     device: torch.device | str | None = None,
-    BLOCK_SIZE: int | tuple[int, int] = 128,  # noqa: N803 (flex attention's name)
-    compiled: bool = False,
+    BLOCK_SIZE: int = 128,  # noqa: N803 (flex attention's name)
 ):
     """The same mask as `dense_block_mask`, as a flex attention BlockMask (device defaults to anchors').
 
-    `compiled`: build it with a compiled mask_mod; eagerly, create_block_mask evaluates the mask at every (query, key)
-    pair of the batch, gigabytes of intermediates at training lengths."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    Built tile by tile from each query tile's range of anchors, not by evaluating the mask at every (query, key)
+    pair as create_block_mask does (billions of pairs at training lengths). A (query tile, key tile) pair is
+    skipped when no key of it can be visible to a query of it, attended without the mask when every key is
+    visible to every query (context before the tile's lowest anchor, all of it real and inside every window), and
+    masked by `block_mask_mod` otherwise."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     device = anchors.device if device is None else torch.device(device)
     b, n = anchors.shape
-    total = context_len + n * block_size
+    q_len, kv_len = n * block_size, context_len + n * block_size
+    tile = BLOCK_SIZE
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
     limit = torch.where(anchor_valid.bool(), anchors, 0).to(device)
-    known = _key_visible(context_valid, b, context_len, total, device)
-    mask_mod = block_mask_mod(limit, known, context_len, block_size, window)
-    return create_block_mask(
-        mask_mod,
-        B=b,
-        H=None,
-        Q_LEN=n * block_size,
-        KV_LEN=total,
-        device=device,
-        BLOCK_SIZE=BLOCK_SIZE,
-        _compile=compiled,
+    known = _key_visible(context_valid, b, context_len, kv_len, device)
+    big = 2**30
+
+    def over_query_tiles(x: torch.Tensor, fill: int, reduce) -> torch.Tensor:  # [b, q_len] -> [b, q_tiles, 1]
+        x = torch.nn.functional.pad(x, (0, q_tiles * tile - q_len), value=fill)
+        return reduce(x.view(b, q_tiles, tile), -1).unsqueeze(-1)
+
+    q = torch.arange(q_len, device=device)
+    limit_q = limit.repeat_interleave(block_size, dim=1)  # [b, q_len]: the context end each query sees
+    first_key = torch.arange(kv_tiles, device=device) * tile
+    last_key = (first_key + tile).clamp(max=kv_len) - 1
+    known_tiles = torch.nn.functional.pad(known, (0, kv_tiles * tile - kv_len), value=False).view(b, kv_tiles, tile)
+    # Context keys are the first context_len; `known` is False past them, so `all` holds only for context tiles.
+    some = (first_key < over_query_tiles(limit_q, 0, torch.amax)) & known_tiles.any(-1).unsqueeze(1)
+    full = (last_key < over_query_tiles(limit_q, big, torch.amin)) & known_tiles.all(-1).unsqueeze(1)
+    if window is not None:  # query q sees context key k only when k > limit_q + q % block_size - window
+        start = limit_q + q % block_size - window
+        some &= last_key > over_query_tiles(start, big, torch.amin)
+        full &= first_key > over_query_tiles(start, -big, torch.amax)
+    # The block keys: query tile i holds blocks first//B .. last//B, whose slots are keys L + B*(first//B) onwards.
+    first_query = torch.arange(q_tiles, device=device) * tile
+    last_query = (first_query + tile).clamp(max=q_len) - 1
+    lo = context_len + first_query // block_size * block_size
+    hi = context_len + (last_query // block_size + 1) * block_size  # exclusive
+    own_blocks = (first_key < hi[:, None]) & (last_key >= lo[:, None])  # [q_tiles, kv_tiles]
+    partial = (some | own_blocks) & ~full
+
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [b, q_tiles, kv_tiles] -> counts, ids
+        tiles = tiles.unsqueeze(1)
+        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+        return tiles.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=tile,
+        mask_mod=block_mask_mod(limit, known, context_len, block_size, window),
+        seq_lengths=(q_len, kv_len),
     )
 
 

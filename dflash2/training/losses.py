@@ -122,7 +122,8 @@ def _chunk(
     distill: float = 0.0,
 ) -> tuple[torch.Tensor | None, ...]:
     """One chunk of rows: what `plain_head` computes from its logits, plus d(sum_i w_i loss_i)/d hidden."""
-    logits = (hidden.to(weight.dtype) @ weight.T).float()
+    scores = hidden.to(weight.dtype) @ weight.T  # in the head's dtype: `logits` is its exact upcast
+    logits = scores.float()
     lse = torch.logsumexp(logits, -1)
     ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
     soft = target = None
@@ -130,7 +131,10 @@ def _chunk(
         target = torch.softmax((teacher.to(weight.dtype) @ weight.T).float(), -1)
         soft = lse - (target * logits).sum(-1)
     pred = logits.argmax(-1)
-    vals, cand = logits.topk(top_k, dim=-1) if top_k else (None, None)
+    vals = cand = None
+    if top_k:  # the same values as the fp32 logits' top-K, from half the bytes; compiled, no fp32 logits are written
+        vals, cand = scores.topk(top_k, dim=-1)
+        vals = vals.float()
     grad_hidden = None
     if grad:  # d loss / d logits = softmax - t, t = (1-d) onehot(label) + d q; weighted per row, back through the head
         grad_logits = torch.exp(logits - lse[:, None])

@@ -127,7 +127,7 @@ class DFlash2Module(L.LightningModule):
 
     @property
     def compiled(self) -> bool:
-        """torch.compile the drafter, the head's chunks and the mask construction: on CUDA only (inductor's CPU code
+        """torch.compile the drafter and the head's chunks: on CUDA only (inductor's CPU code
         for flex attention does not build, and CPU tests run the same math eagerly)."""
         return bool(self.hparams.get("compile")) and self.device.type == "cuda"
 
@@ -135,7 +135,10 @@ class DFlash2Module(L.LightningModule):
         """The target's features of the batch (TargetOutput), with its final hidden states when distilling."""
         with record_function("target"):
             final = self.hparams.distill > 0
-            return self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False, final=final)
+            # No attention mask: rows are right-padded (BlockCollator), so under causal attention no real token sees a
+            # pad, and the pads' own features are never read (`known` hides them from every block). Without a mask
+            # the target's SDPA runs its causal flash kernel and builds no [b, 1, L, L] mask.
+            return self.target(batch["input_ids"], logits=False, final=final)
 
     def block_hidden(self, batch: dict[str, torch.Tensor], features: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced draft output at the proposing slots 1..B-1 of every block: [b, n, B-1, H]. `features`: the
@@ -148,7 +151,7 @@ class DFlash2Module(L.LightningModule):
         with record_function("target"):
             block_embeds = self.target.embed_tokens(batch["block_ids"])
         with record_function("block_mask"):
-            mask = block_attention_mask(batch, length, cfg, self.compiled)
+            mask = block_attention_mask(batch, length, cfg)
         with record_function("draft"):
             context = self.draft.fuse(features)
             context_positions = torch.arange(length, device=self.device).expand(b, length)
@@ -244,7 +247,7 @@ class DFlash2Module(L.LightningModule):
         layer's features over the batch's real tokens (summed over ranks), so that every layer enters the fused
         context at one scale; the mean keeps fc's norm, and hidden_norm after fc makes the absolute scale moot.
         Returns the RMS values [n]."""
-        features = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False).hidden
+        features = self.target_pass(batch).hidden
         n, h = len(self.draft.config.target_layer_ids), self.draft.config.hidden_size
         real = features[batch["attention_mask"].bool()].float().view(-1, n, h)
         sums = torch.cat([real.pow(2).sum((0, 2)), real.new_tensor([real.shape[0] * h])])
@@ -340,18 +343,16 @@ def freeze_backbone(draft: DFlash2DraftModel) -> None:
         )
 
 
-def block_attention_mask(
-    batch: dict[str, torch.Tensor], length: int, cfg: DFlash2Config, compiled: bool = False
-) -> Any:
-    """The training mask of contract section 7: flex BlockMask on CUDA (built by a compiled mask_mod when `compiled`),
-    the equivalent dense bool mask elsewhere; one per layer type when some draft layers slide."""
+def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlash2Config) -> Any:
+    """The training mask of contract section 7: flex BlockMask on CUDA, the equivalent dense bool mask elsewhere; one
+    per layer type when some draft layers slide."""
     from dflash2.data.anchors import dense_block_mask, flex_block_mask
 
     args = (batch["anchors"], batch["anchor_valid"], length, cfg.block_size, batch["attention_mask"])
 
     def build(window: int | None) -> Any:
         if batch["anchors"].is_cuda:
-            return flex_block_mask(*args, window=window, compiled=compiled)
+            return flex_block_mask(*args, window=window)
         return dense_block_mask(*args, window=window)
 
     if "sliding_attention" not in cfg.layer_types:

@@ -74,11 +74,14 @@ class LogTrainingProgress(Callback):
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(trainer.progress_bar_metrics, refresh=False)
+            # Reading the metrics waits for the device to finish the step: only when a log line is due.
+            if time.time() - self.bar.last_print_t >= self.bar.mininterval:
+                self.bar.set_postfix(trainer.progress_bar_metrics, refresh=False)
             self.bar.update(trainer.global_step - self.bar.n)
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         if self.bar is not None:
+            self.bar.set_postfix(trainer.progress_bar_metrics, refresh=False)
             self.bar.close()
             self.bar = None
 
