@@ -372,6 +372,35 @@ def test_flex_attention_agrees_with_dense_attention(sliding):
 # --- the datamodule ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_collator_rounds_shapes_up_and_the_padding_trains_nothing(block_size):
+    from dflash2.data.datamodule import BlockCollator
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    rows = []
+    for _ in range(3):
+        length = int(torch.randint(8, 40, (), generator=gen))
+        mask = random_mask(length, gen)
+        ids = torch.randint(5, 1000, (length,), generator=gen)
+        rows.append({"input_ids": ids, "loss_mask": mask, "anchors": sample_anchors(mask, 7, gen)})
+    plain = BlockCollator(block_size, 3, 2)(rows)
+    rounded = BlockCollator(block_size, 3, 2, pad_to_multiple_of=16)(rows)
+    length, n = plain["input_ids"].shape[1], plain["anchors"].shape[1]
+    extra_tokens = rounded["input_ids"].shape[1] - length
+    extra_blocks = rounded["anchors"].shape[1] - n
+    assert rounded["input_ids"].shape[1] % 16 == 0 and 0 <= extra_tokens < 16
+    assert rounded["anchors"].shape[1] % (16 // block_size) == 0 and 0 <= extra_blocks < 16 // block_size
+    assert max(extra_tokens, extra_blocks) > 0 or (length % 16 == 0 and n % (16 // block_size) == 0)
+    for key, pad in (("input_ids", 2), ("attention_mask", 0), ("loss_mask", 0)):
+        assert torch.equal(rounded[key][:, :length], plain[key]) and (rounded[key][:, length:] == pad).all()
+    for key in ("anchors", "anchor_valid", "labels"):
+        assert torch.equal(rounded[key][:, :n], plain[key])
+    assert not rounded["anchor_valid"][:, n:].any() and (rounded["labels"][:, n:] == -100).all()
+    assert (rounded["block_ids"][:, n * block_size :] == 3).all()
+    with pytest.raises(ValueError, match="data.pad_to_multiple_of=0"):
+        BlockCollator(block_size, 3, 2, pad_to_multiple_of=0)
+
+
 def make_module(tokenizer, path, cache, **kwargs):
     args = dict(
         block_size=4,

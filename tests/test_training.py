@@ -301,6 +301,34 @@ def test_training_blocks_are_what_decoding_computes(parts, sliding):
                 assert labels[k - 1] == sequence[pos + k]
 
 
+def test_rounded_shapes_change_nothing_that_is_trained(parts):
+    """The same rows collated with data.pad_to_multiple_of: more pad tokens (which the target sees without a mask) and
+    more padded blocks, yet the same losses and counts to rounding."""
+    from dflash2.data.datamodule import BlockCollator
+
+    cfg, target, draft_config, batch = parts
+    module = DFlash2Module(target, draft_config.to_dict())
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    with torch.no_grad():
+        for p in module.draft.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    rows = []
+    for i, length in enumerate(batch["attention_mask"].sum(-1).tolist()):
+        anchors = batch["anchors"][i][batch["anchor_valid"][i].bool()]
+        rows.append({"input_ids": batch["input_ids"][i, :length], "loss_mask": batch["loss_mask"][i, :length],
+                     "anchors": anchors})  # fmt: skip
+    pad = target.tokenizer.pad_token_id or 0
+    rounded = BlockCollator(draft_config.block_size, draft_config.mask_token_id, pad, pad_to_multiple_of=32)(rows)
+    size = lambda b: b["input_ids"].numel() + b["anchors"].numel()  # noqa: E731
+    assert size(rounded) > size(batch)
+    with torch.no_grad():
+        want, got = module.draft_step(batch), module.draft_step(rounded)
+    torch.testing.assert_close(got.ce, want.ce, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.selector, want.selector, rtol=1e-5, atol=1e-6)
+    for key, count in want.counts.items():
+        torch.testing.assert_close(got.counts[key], count, rtol=1e-5, atol=1e-5)
+
+
 def test_dflash_has_no_conv_or_selector(parts, chats, tmp_path):
     cfg = config(chats, tmp_path, "draft=dflash")
     draft_config = draft_config_for(parts[1], cfg.model, cfg.draft)

@@ -9,7 +9,6 @@ from typing import Any
 import datasets
 import lightning as L
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -53,17 +52,32 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 class BlockCollator:
-    """Right-pads rows and anchors and builds the block inputs, positions and labels of every anchor."""
+    """Right-pads rows and anchors and builds the block inputs, positions and labels of every anchor.
 
-    def __init__(self, block_size: int, mask_token_id: int, pad_token_id: int = 0):
+    `pad_to_multiple_of` rounds each batch's row length up to a multiple of it, and its block slots (anchors times B,
+    in whole blocks) up to one too where B divides it: fewer distinct shapes, so the per-shape work on a GPU (cuDNN's
+    attention plans, one for every new length) is done a few dozen times instead of once per batch, and flex
+    attention's 128-wide tiles line up with the context's end and with the blocks. Right padding is what lets the
+    target run without an attention mask (DFlash2Module.target_pass)."""
+
+    def __init__(self, block_size: int, mask_token_id: int, pad_token_id: int = 0, pad_to_multiple_of: int = 1):
+        if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+            raise ValueError(
+                f"data.pad_to_multiple_of={pad_to_multiple_of}: the multiple a batch's length is rounded up to must be "
+                "an integer >= 1 (1 = no rounding; 128 on a GPU)"
+            )
         self.block_size, self.mask_token_id, self.pad_token_id = block_size, mask_token_id, pad_token_id
+        self.length_multiple = pad_to_multiple_of
+        self.block_multiple = max(1, pad_to_multiple_of // block_size)
 
     def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        input_ids = pad_sequence([r["input_ids"] for r in rows], batch_first=True, padding_value=self.pad_token_id)
-        loss_mask = pad_sequence([r["loss_mask"] for r in rows], batch_first=True)
-        attention_mask = pad_sequence([torch.ones_like(r["input_ids"]) for r in rows], batch_first=True)
-        anchors = pad_sequence([r["anchors"] for r in rows], batch_first=True)
-        anchor_valid = pad_sequence([torch.ones_like(r["anchors"], dtype=torch.bool) for r in rows], batch_first=True)
+        length = _round_up(max(len(r["input_ids"]) for r in rows), self.length_multiple)
+        blocks = _round_up(max(len(r["anchors"]) for r in rows), self.block_multiple)
+        input_ids = _right_pad([r["input_ids"] for r in rows], length, self.pad_token_id)
+        loss_mask = _right_pad([r["loss_mask"] for r in rows], length)
+        attention_mask = _right_pad([torch.ones_like(r["input_ids"]) for r in rows], length)
+        anchors = _right_pad([r["anchors"] for r in rows], blocks)
+        anchor_valid = _right_pad([torch.ones_like(r["anchors"], dtype=torch.bool) for r in rows], blocks)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -74,6 +88,15 @@ class BlockCollator:
             "block_positions": block_positions(anchors, self.block_size),
             "labels": block_labels(input_ids, loss_mask, anchors, self.block_size, anchor_valid),
         }
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _right_pad(rows: list[torch.Tensor], length: int, value: int = 0) -> torch.Tensor:
+    """[len_i] rows -> [rows, length], each padded on the right with `value`."""
+    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=value) for r in rows])
 
 
 class DFlashDataModule(L.LightningDataModule):
@@ -96,6 +119,7 @@ class DFlashDataModule(L.LightningDataModule):
         seed: int = 0,
         cache_dir: str | None = None,
         name: str | None = None,
+        pad_to_multiple_of: int = 1,
     ):
         super().__init__()
         if block_size < 2:
@@ -111,7 +135,7 @@ class DFlashDataModule(L.LightningDataModule):
             raise ValueError(f"max_length={max_length} must be >= 2 and max_anchors={max_anchors} >= 1")
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = tokenizer
-        self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0)
+        self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0, pad_to_multiple_of)
         self._prepared: datasets.Dataset | None = None
         self.train_rows: datasets.Dataset | None = None
         self.val_rows: datasets.Dataset | None = None
