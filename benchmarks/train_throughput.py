@@ -133,7 +133,8 @@ def synthetic_batch(cfg: DictConfig, draft: DFlash2Config, vocab: int, pad_token
         anchors = sample_anchors(loss_mask, int(cfg.data.max_anchors), generator)
         input_ids = torch.randint(0, vocab, (length,), generator=generator)
         rows.append({"input_ids": input_ids, "loss_mask": loss_mask, "anchors": anchors})
-    return BlockCollator(draft.block_size, draft.mask_token_id, pad_token_id, cfg.data.get("pad_to_multiple_of", 1))(rows)
+    collate = BlockCollator(draft.block_size, draft.mask_token_id, pad_token_id, cfg.data.get("pad_to_multiple_of", 1))
+    return collate(rows)
 
 
 def step_flops(batch: dict[str, torch.Tensor], cfg: DFlash2Config, target_layers_run: int) -> dict[str, float]:
