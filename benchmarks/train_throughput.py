@@ -71,7 +71,7 @@ DRAFT_FIELDS = ("hidden_size", "num_hidden_layers", "block_size", "target_layer_
 # The fast path is each experiment's default (fused head, torch.compile on CUDA); plain is the PyTorch reference.
 VARIANTS = {"fast": [], "plain": ["draft.fused_head=false", "draft.compile=false"]}
 DRAFTERS = {"dflash2": [], "dflash": ["draft=dflash"]}
-SMALL_DATA = ["data.max_length=64", "data.batch_size=2"]
+SMALL_DATA = ["data.max_length=64", "data.batch_size=2", "data.pad_to_multiple_of=1"]  # full rows, no rounding
 SMALL_DRAFT = ["model.block_size=4", "model.num_draft_layers=1", "model.target_layer_ids=[1,2]", "model.dtype=float32"]
 SMALL = {
     "smollm2": ["model.path=tiny", "model.gguf_file=null", "draft.selector_rank=16", "draft.selector_top_k=8"],
