@@ -127,8 +127,8 @@ class DFlash2Module(L.LightningModule):
 
     @property
     def compiled(self) -> bool:
-        """torch.compile the drafter and the head's chunks: on CUDA only (inductor's CPU code
-        for flex attention does not build, and CPU tests run the same math eagerly)."""
+        """torch.compile the drafter and the head's chunks: on CUDA only (inductor's CPU code for flex attention does
+        not build, and CPU tests run the same math eagerly)."""
         return bool(self.hparams.get("compile")) and self.device.type == "cuda"
 
     def target_pass(self, batch: dict[str, torch.Tensor]) -> Any:
