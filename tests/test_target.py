@@ -78,6 +78,22 @@ def test_logits_false_gives_same_hidden_and_skips_later_layers():
     torch.testing.assert_close(features.hidden, torch.cat([ref[3], ref[1]], -1), rtol=0, atol=0)
 
 
+def test_compiled_layers_give_the_eager_features_and_stop_early_too():
+    """model.compile's path (compiled_layers, which training enters on CUDA): each layer's forward compiled, the loop,
+    hooks and early stop eager. Same features as eager at two lengths (one graph), the deepest captured layer is still
+    the last to run, and the layers' own forward is back afterwards."""
+    target = TargetModel.load("tiny", target_layer_ids=[2, 0])
+    ran = []
+    target.layers[3].register_forward_hook(lambda *_: ran.append(3))
+    ids, _ = random_batch(target.vocab_size)
+    with target.compiled_layers():
+        compiled = [target(ids[:, :n], logits=False).hidden for n in (ids.shape[1], ids.shape[1] - 3)]
+        assert all("forward" in vars(layer) for layer in target.layers)
+    assert not any("forward" in vars(layer) for layer in target.layers) and ran == []
+    for got, n in zip(compiled, (ids.shape[1], ids.shape[1] - 3), strict=True):
+        torch.testing.assert_close(got, target(ids[:, :n], logits=False).hidden, rtol=1e-5, atol=1e-5)
+
+
 def test_final_hidden_runs_every_layer_and_is_the_heads_input():
     """final=True (soft-label distillation) runs past the deepest captured layer and returns the final normed hidden
     state: the target's own logits are the head applied to it."""
