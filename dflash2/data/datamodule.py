@@ -61,11 +61,7 @@ class BlockCollator:
     target run without an attention mask (DFlash2Module.target_pass)."""
 
     def __init__(self, block_size: int, mask_token_id: int, pad_token_id: int = 0, pad_to_multiple_of: int = 1):
-        if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
-            raise ValueError(
-                f"data.pad_to_multiple_of={pad_to_multiple_of}: the multiple a batch's length is rounded up to must be "
-                "an integer >= 1 (1 = no rounding; 128 on a GPU)"
-            )
+        check_pad_to_multiple_of(pad_to_multiple_of)
         self.block_size, self.mask_token_id, self.pad_token_id = block_size, mask_token_id, pad_token_id
         self.length_multiple = pad_to_multiple_of
         self.block_multiple = max(1, pad_to_multiple_of // block_size)
@@ -88,6 +84,15 @@ class BlockCollator:
             "block_positions": block_positions(anchors, self.block_size),
             "labels": block_labels(input_ids, loss_mask, anchors, self.block_size, anchor_valid),
         }
+
+
+def check_pad_to_multiple_of(value: object) -> None:
+    """`data.pad_to_multiple_of` must be an integer >= 1 (1 = no rounding)."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"data.pad_to_multiple_of={value}: the multiple a batch's length is rounded up to must be an integer >= 1 "
+            "(1 = no rounding; 128 on a GPU)"
+        )
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -109,9 +109,9 @@ def check_config(cfg: DictConfig) -> None:
     if path and not Path(path).expanduser().is_file():
         raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
     check_training_knobs(cfg.draft, cfg.trainer.get("strategy"))
-    from dflash2.data.datamodule import BlockCollator
+    from dflash2.data.datamodule import check_pad_to_multiple_of
 
-    BlockCollator(int(cfg.model.block_size), 0, 0, cfg.data.get("pad_to_multiple_of", 1))  # it checks its settings
+    check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
     model = OmegaConf.merge(cfg.model, warm_start_fields(cfg.draft))
     draft_config_from(draft_config_fields(load_target_config(cfg.model)), model, cfg.draft)
 
