@@ -16,9 +16,10 @@
 # ';'-separated groups, one sweep each, default gsm8k,humaneval,math500;mbpp,mtbench,alpaca), DRAFTERS (the drafters
 # trained, swept and timed, default dflash,dflash2,dflash2_warm; dflash is always trained: it is the baseline, and
 # the warm start's init), CHECK_ONLY=1 (tiny sizes for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after
-# that stage: regenerate, train, grid, speed). Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it;
-# the regeneration, the trained drafters and the finished evaluations are kept within a stage too. Tokens/s of the
-# grid are measured with JOBS runs sharing the GPUs; the speed stage measures them alone.
+# that stage: regenerate, train, grid, speed; from the grid on, the summaries and the JSON are written first).
+# Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
+# the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
+# GPUs; the speed stage measures them alone.
 # To start from the whole set regenerated on 2026-12-01 (BENCHMARKS.md: 16,211 conversations, every complete one
 # of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
@@ -44,7 +45,24 @@ if [ -n "${CHECK_ONLY:-}" ]; then
 fi
 log() { echo "[$(date +%T)] $*"; }
 stage() { [ -f "$W/$1.done" ] && log "$1: done before" && return 1; log "$1"; return 0; }
-done_() { touch "$W/$1.done"; log "$1: done"; if [ "$1" = "${UNTIL:-}" ]; then exit 0; fi; }
+report() {  # the summaries and acceptance_vs_pld.json from what the grid (and the speed stage) measured
+  local d
+  for d in sweeps speed; do
+    [ -d "$W/$d" ] || continue
+    python -c "from dflash2.sweep import summarize_sweep as s; print(s('$W/$d').to_string(index=False))" \
+      > "$W/$d/summary.txt"
+  done
+  python benchmarks/acceptance_vs_pld.py "$W" --drafters "$DRAFTERS"
+  log "summaries: $W/sweeps/summary.csv, $W/speed/summary.csv, $W/acceptance_vs_pld.json"
+}
+done_() {  # a stage is finished; stop here when UNTIL names it, with the report once the grid has run
+  touch "$W/$1.done"
+  log "$1: done"
+  if [ "$1" = "${UNTIL:-}" ]; then
+    if [ -f "$W/grid.done" ]; then report; fi
+    exit 0
+  fi
+}
 on() { CUDA_VISIBLE_DEVICES=$(($1 % GPUS)) OMP_NUM_THREADS=2 "${@:2}"; }
 slot=0
 spawn() {  # run a command in the background once fewer than JOBS are running, on the GPUs in turn
@@ -129,9 +147,4 @@ if stage speed; then
     repeats=3
   done_ speed
 fi
-for d in sweeps speed; do
-  python -c "from dflash2.sweep import summarize_sweep as s; print(s('$W/$d').to_string(index=False))" \
-    > "$W/$d/summary.txt"
-done
-python benchmarks/acceptance_vs_pld.py "$W" --drafters "$DRAFTERS"
-log "summaries: $W/sweeps/summary.csv, $W/speed/summary.csv, $W/acceptance_vs_pld.json"
+report
