@@ -54,7 +54,8 @@ report() {  # the summaries and acceptance_vs_pld.json from what the grid (and t
       > "$W/$d/summary.txt"
   done
   python benchmarks/acceptance_vs_pld.py "$W" --drafters "$DRAFTERS"
-  log "summaries: $W/sweeps/summary.csv, $W/speed/summary.csv, $W/acceptance_vs_pld.json"
+  python benchmarks/copy_gap.py "$W/sweeps" --out "$W/copy_gap.json" > "$W/copy_gap.txt"
+  log "summaries: $W/sweeps/summary.csv, $W/speed/summary.csv, $W/acceptance_vs_pld.json, $W/copy_gap.json"
 }
 done_() {  # a stage is finished; stop here when UNTIL names it, with the report once the grid has run
   touch "$W/$1.done"
