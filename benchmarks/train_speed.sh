@@ -5,7 +5,8 @@
 #      their validation tau_sim at equal steps is used, so sharing the GPU costs nothing that is reported (the fast
 #      run also fills the compile cache that parts 2 and 3 then read);
 #   2. alone on the GPU: step time, tokens/s, MFU, peak memory, compile time and a profile of the SmolLM2 preset,
-#      fast DFlash2 and DFlash, plain DFlash2, and fast DFlash2 with the target eager (model.compile=false);
+#      fast DFlash2 and DFlash, plain DFlash2, and fast DFlash2 with the target eager (model.compile=false) and with
+#      the target's layers replayed as CUDA graphs (model.compile=reduce-overhead);
 #   3. one epoch of the regenerated set with the fast path, alone: its wall time and validation curve.
 #
 #   bash benchmarks/train_speed.sh OUT_DIR        # JSON, logs and the CSV curves land in OUT_DIR
@@ -39,7 +40,7 @@ if part equal; then
   train fast "${equal[@]}" &
   fast=$!
   python -m pytest -q -p no:warnings tests/test_kernels.py tests/test_training.py tests/test_speculative.py \
-    -k "triton or walk or conv or cuda or mixed" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    tests/test_target.py -k "triton or walk or conv or cuda or mixed" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   wait "$plain" || log "the plain run failed: $W/train_plain.log"
   wait "$fast" || log "the fast run failed: $W/train_fast.log"
   for name in plain fast; do tail -4 "$W/train_$name.log"; done
@@ -53,6 +54,8 @@ if part throughput; then
     --out "$OUT/train_throughput_smollm2_plain.json" 2>&1 | tail -3
   python benchmarks/train_throughput.py --preset smollm2 --drafter dflash2 --variant fast --override model.compile=false \
     --out "$OUT/train_throughput_smollm2_eager_target.json" 2>&1 | tail -3
+  python benchmarks/train_throughput.py --preset smollm2 --drafter dflash2 --variant fast --profile \
+    --override model.compile=reduce-overhead --out "$OUT/train_throughput_smollm2_graphed_target.json" 2>&1 | tail -3
 fi
 
 if part epoch; then

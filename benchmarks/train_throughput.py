@@ -111,7 +111,7 @@ def build_target(
         model = cls(config)
     model.to(getattr(torch, cfg.model.dtype))
     use_grouped_sdpa(model)  # the attention TargetModel.load picks
-    return TargetModel(model, None, list(cfg.model.target_layer_ids), bool(cfg.model.get("compile")))
+    return TargetModel(model, None, list(cfg.model.target_layer_ids), cfg.model.get("compile") or False)
 
 
 def build_module(target: TargetModel, cfg: DictConfig) -> DFlash2Module:

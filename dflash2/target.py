@@ -26,6 +26,22 @@ from dflash2.attention import use_grouped_sdpa
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
+def compile_mode(value: bool | str | None) -> str | None:
+    """`model.compile` as a torch.compile mode: false (or null) = eager, true = "default", or a mode by name.
+    reduce-overhead adds CUDA graphs, one per batch shape, which `data.pad_to_multiple_of` keeps to a few dozen."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "default"
+    if value in COMPILE_MODES:
+        return str(value)
+    modes = ", ".join(COMPILE_MODES)
+    raise ValueError(f"model.compile={value!r}: set it to true, false or one of torch.compile's modes ({modes})")
+
+
 # A small random Qwen3 for tests: real shapes and RoPE, no weights to ship.
 TINY_QWEN3 = dict(
     hidden_size=64,
@@ -63,7 +79,7 @@ class TargetModel(nn.Module):
         model: nn.Module,
         tokenizer: Any,
         target_layer_ids: list[int] | None = None,
-        compile_features: bool = False,
+        compile_features: bool | str = False,
     ):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
@@ -82,8 +98,8 @@ class TargetModel(nn.Module):
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._stop_after: int | None = None
-        self.compile_features = compile_features  # see `compiled_layers`
-        self._compiled_forwards: list[Any] | None = None
+        self.compile_features = compile_mode(compile_features)  # model.compile; see `compiled_layers`
+        self._compiled_forwards: tuple[str, list[Any]] | None = None  # (mode, one compiled forward per layer)
         # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
         params = inspect.signature(model.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -119,7 +135,7 @@ class TargetModel(nn.Module):
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         attn_implementation: str | None = None,
-        compile_features: bool = False,
+        compile_features: bool | str = False,
     ) -> TargetModel:
         """Load by hub id, local folder, GGUF file, "smollm2" / None (the embedded default) or "tiny" (tests).
 
@@ -150,7 +166,7 @@ class TargetModel(nn.Module):
             dtype=model_cfg.get("dtype") or "auto",
             device=device,
             attn_implementation=model_cfg.get("attn_implementation"),
-            compile_features=bool(model_cfg.get("compile")),
+            compile_features=model_cfg.get("compile") or False,
         )
 
     # ------------------------------------------------------------------ forward
@@ -198,7 +214,7 @@ class TargetModel(nn.Module):
         self._capturing = True
         out = None
         try:
-            with self.compiled_layers(features and self.compile_features and input_ids.is_cuda):
+            with self.compiled_layers(features and input_ids.is_cuda):
                 out = self.model(**inputs) if logits else self.model.base_model(**inputs)
         except _StopForward:
             pass
@@ -223,13 +239,18 @@ class TargetModel(nn.Module):
         features, on CUDA): eagerly, a small target's forward is bound by launching its many small kernels. Per layer
         rather than the whole model, so that the layer loop, the stop after the deepest captured layer, the hooks and
         transformers' mask logic stay eager (compiled whole, transformers materialises a dense mask that keeps SDPA
-        off its flash kernels); the layers share one graph."""
-        if not on:
+        off its flash kernels); the layers share one graph. Under a CUDA-graph mode every layer call is one replay, and
+        each forward starts a new step of the graphs: the features it returns are copies, not the graphs' buffers."""
+        mode = compile_mode(self.compile_features)
+        if not on or mode is None:
             yield
             return
-        if self._compiled_forwards is None:
-            self._compiled_forwards = [torch.compile(layer.forward, dynamic=True) for layer in self.layers]
-        for layer, forward in zip(self.layers, self._compiled_forwards, strict=True):
+        if self._compiled_forwards is None or self._compiled_forwards[0] != mode:
+            compiled = [torch.compile(layer.forward, dynamic=True, mode=mode) for layer in self.layers]
+            self._compiled_forwards = (mode, compiled)
+        if mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()
+        for layer, forward in zip(self.layers, self._compiled_forwards[1], strict=True):
             layer.forward = forward  # an instance attribute: it shadows the class's forward until deleted below
         try:
             yield

@@ -220,6 +220,14 @@ def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     assert result["goals"]["above_pld_everywhere"] == above
 
 
+def test_target_pass_small_times_each_mode_against_the_first(tmp_path):
+    result = load("target_pass").main(["--small", "--reps", "2", "--out", str(tmp_path / "t.json")])
+    assert json.loads((tmp_path / "t.json").read_text()) == result
+    assert result["lengths"] == [48, 46, 44, 42] and list(result["modes"]) == ["false"]  # the CPU runs eager only
+    row = result["modes"]["false"]
+    assert 0 < row["min_ms"] <= row["median_ms"] and row["warmup_s"] > 0 and row["max_abs_diff_vs_first"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------- copy_gap.py
 def test_copy_gap_replays_prompt_lookups_own_steps():
     """Replaying prompt lookup's own greedy run at its own anchors must give back every accept length it measured:

@@ -300,6 +300,7 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
         ("draft.distill=1.5", r"draft.distill=1.5: .* must be in \[0, 1\]"),
         ("draft.init_std=-0.02", "draft.init_std=-0.02: .* must be > 0"),
         ("trainer=fsdp", "draft.feature_scaling=true .* FSDP"),
+        ("model.compile=fast", "model.compile='fast': set it to true, false or one of torch.compile's modes"),
     ],
 )
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):

@@ -20,6 +20,7 @@ from dflash2.target import (
     TargetModel,
     TargetNotFoundError,
     choose_mask_token,
+    compile_mode,
     draft_config_fields,
     load_target_config,
 )
@@ -82,7 +83,7 @@ def test_compiled_layers_give_the_eager_features_and_stop_early_too():
     """model.compile's path (compiled_layers, which training enters on CUDA): each layer's forward compiled, the loop,
     hooks and early stop eager. Same features as eager at two lengths (one graph), the deepest captured layer is still
     the last to run, and the layers' own forward is back afterwards."""
-    target = TargetModel.load("tiny", target_layer_ids=[2, 0])
+    target = TargetModel.load("tiny", target_layer_ids=[2, 0], compile_features=True)
     ran = []
     target.layers[3].register_forward_hook(lambda *_: ran.append(3))
     ids, _ = random_batch(target.vocab_size)
@@ -92,6 +93,52 @@ def test_compiled_layers_give_the_eager_features_and_stop_early_too():
     assert not any("forward" in vars(layer) for layer in target.layers) and ran == []
     for got, n in zip(compiled, (ids.shape[1], ids.shape[1] - 3), strict=True):
         torch.testing.assert_close(got, target(ids[:, :n], logits=False).hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "value, mode", [(False, None), (None, None), (True, "default"), ("reduce-overhead", "reduce-overhead")]
+)
+def test_model_compile_reaches_torch_compile_as_its_mode(monkeypatch, value, mode):
+    """model.compile: false/true or a torch.compile mode by name, passed to every layer's torch.compile; a CUDA-graph
+    mode marks a new step of the graphs at every forward (so the previous step's buffers may be reused)."""
+    calls, steps = [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    target = TargetModel.load("tiny", target_layer_ids=[1], compile_features=value)
+    assert target.compile_features == mode
+    for _ in range(2):
+        with target.compiled_layers():
+            pass
+    assert calls == ([] if mode is None else [{"dynamic": True, "mode": mode}] * target.num_layers)  # compiled once
+    assert len(steps) == (2 if mode == "reduce-overhead" else 0)
+
+
+@pytest.mark.parametrize("value", ["fast", 1, "Default"])
+def test_model_compile_refuses_what_torch_compile_does_not_take(value):
+    with pytest.raises(ValueError, match="model.compile=.*: set it to true, false or one of torch.compile's modes"):
+        compile_mode(value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_target_layers_give_the_eager_features():
+    """model.compile=reduce-overhead on CUDA: every layer replays a CUDA graph per shape. The features equal eager
+    ones at two lengths, on the recording and on the replays, and a step's features survive the next step's replay."""
+    target = TargetModel.load("tiny", target_layer_ids=[2, 0], device="cuda", compile_features="reduce-overhead")
+    ids, _ = random_batch(target.vocab_size)
+    ids = ids.cuda()
+    lengths = (ids.shape[1], ids.shape[1] - 3)
+    with torch.no_grad():
+        target.compile_features = None  # eager, for the reference
+        want = {n: target(ids[:, :n], logits=False).hidden for n in lengths}
+        target.compile_features = "reduce-overhead"  # a features-only forward on CUDA enters compiled_layers itself
+        held = []
+        for _ in range(3):  # warm-up, recording, replay
+            for n in lengths:
+                got = target(ids[:, :n], logits=False).hidden
+                held.append((n, got))
+                torch.testing.assert_close(got, want[n], rtol=1e-5, atol=1e-5)
+        for n, got in held:
+            torch.testing.assert_close(got, want[n], rtol=1e-5, atol=1e-5)
 
 
 def test_final_hidden_runs_every_layer_and_is_the_heads_input():

@@ -100,7 +100,7 @@ def check_training_knobs(draft: Mapping[str, Any], strategy: Any = None) -> None
 def check_config(cfg: DictConfig) -> None:
     """Fail in one sentence on a setting left unset, a data file that is not there or a drafter field that does not
     fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
-    from dflash2.target import draft_config_fields, load_target_config
+    from dflash2.target import compile_mode, draft_config_fields, load_target_config
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -109,6 +109,7 @@ def check_config(cfg: DictConfig) -> None:
     if path and not Path(path).expanduser().is_file():
         raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
     check_training_knobs(cfg.draft, cfg.trainer.get("strategy"))
+    compile_mode(cfg.model.get("compile"))
     from dflash2.data.datamodule import check_pad_to_multiple_of
 
     check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
