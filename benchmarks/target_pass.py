@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,26 +24,17 @@ import torch
 
 from dflash2.target import TargetModel, compile_mode
 
-SMOLLM2 = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e5}, tie_word_embeddings=True, pad_token_id=2,
-)  # fmt: skip
-
 
 def build(small: bool, device: torch.device) -> TargetModel:
     if small:
         return TargetModel.load("tiny", target_layer_ids=[1, 2], device=device)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from omegaconf import OmegaConf
 
-    from dflash2.attention import use_grouped_sdpa
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_throughput import build_target  # its --random-weights SmolLM2, as the step benchmark builds it
 
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2))
-    model.to(torch.bfloat16)
-    use_grouped_sdpa(model)  # the attention TargetModel.load picks
-    return TargetModel(model, None, [1, 27])
+    cfg = OmegaConf.create({"model": {"dtype": "bfloat16", "target_layer_ids": [1, 27], "compile": False}})
+    return build_target("smollm2", cfg, False, device, random_weights=True)
 
 
 def features(target: TargetModel, ids: torch.Tensor) -> torch.Tensor:
