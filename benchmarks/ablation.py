@@ -29,6 +29,7 @@ VARIANTS: dict[str, list[str]] = {
     "distill1": ["draft.distill=1.0"],
     "distill05": ["draft.distill=0.5"],
     "selector_alpha05": ["draft.selector_alpha=0.5"],
+    "selector_ramp": ["draft.selector_ramp_steps=600"],
     "dflash": ["draft=dflash"],
 }
 BASELINE, PLD = "dflash2", "pld"
