@@ -16,7 +16,7 @@
 # ';'-separated groups, one sweep each, default gsm8k,humaneval,math500;mbpp,mtbench,alpaca), DRAFTERS (the drafters
 # trained, swept and timed, default dflash,dflash2,dflash2_warm; dflash is always trained: it is the baseline, and
 # the warm start's init), CHECK_ONLY=1 (tiny sizes for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after
-# that stage: regenerate, train, grid, speed; from the grid on, the summaries and the JSON are written first).
+# that stage: regenerate, train, grid, speed; stopped after the grid or later, it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
 # GPUs; the speed stage measures them alone.

@@ -10,6 +10,7 @@ export_checked() {
 # training: a machine without PyPI needs the bench cache (~/.cache/dflash2/bench, about 1.3 MB) copied in beforehand,
 # or DFLASH2_CACHE pointed at a copy (dflash2/bench.py says where each file comes from).
 check_benches() {
+  # shellcheck disable=SC2086  # one word per bench
   python -c "import sys; from dflash2.bench import load_prompts; [load_prompts(b, limit=1) for b in sys.argv[1:]]" \
     ${1//[,;]/ }
 }
