@@ -27,6 +27,7 @@ from dflash2.attention import use_grouped_sdpa
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def compile_mode(value: bool | str | None) -> str | None:
@@ -98,7 +99,7 @@ class TargetModel(nn.Module):
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._stop_after: int | None = None
-        self.compile_features = compile_mode(compile_features)  # model.compile; see `compiled_layers`
+        self.compile_features = compile_features  # model.compile; see `compiled_layers`
         self._compiled_forwards: tuple[str, list[Any]] | None = None  # (mode, one compiled forward per layer)
         # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
         params = inspect.signature(model.base_model.forward).parameters
@@ -110,6 +111,15 @@ class TargetModel(nn.Module):
         for i in sorted(set(self.target_layer_ids)):
             module = final if i == self.num_layers - 1 else self.layers[i]
             module.register_forward_hook(self._make_hook(i))
+
+    @property
+    def compile_features(self) -> str | None:
+        """The torch.compile mode of the training features' layers (None = eager), as `compile_mode` reads it."""
+        return self._compile_mode
+
+    @compile_features.setter
+    def compile_features(self, value: bool | str | None) -> None:
+        self._compile_mode = compile_mode(value)
 
     # Views into the wrapped model, not attributes: a second registration would duplicate them in state_dict.
     @property
@@ -241,14 +251,14 @@ class TargetModel(nn.Module):
         transformers' mask logic stay eager (compiled whole, transformers materialises a dense mask that keeps SDPA
         off its flash kernels); the layers share one graph. Under a CUDA-graph mode every layer call is one replay, and
         each forward starts a new step of the graphs: the features it returns are copies, not the graphs' buffers."""
-        mode = compile_mode(self.compile_features)
+        mode = self.compile_features
         if not on or mode is None:
             yield
             return
         if self._compiled_forwards is None or self._compiled_forwards[0] != mode:
             compiled = [torch.compile(layer.forward, dynamic=True, mode=mode) for layer in self.layers]
             self._compiled_forwards = (mode, compiled)
-        if mode in ("reduce-overhead", "max-autotune"):
+        if mode in CUDA_GRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()
         for layer, forward in zip(self.layers, self._compiled_forwards[1], strict=True):
             layer.forward = forward  # an instance attribute: it shadows the class's forward until deleted below
