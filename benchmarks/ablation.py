@@ -1,16 +1,20 @@
 """The variants of benchmarks/ablation.sh and its table (issue 19, item 2: what makes the drafters use their context).
 
-python benchmarks/ablation.py variants [NAME,NAME...]     one line per variant: name, then its train.py overrides
+python benchmarks/ablation.py variants STEPS VAL [NAMES]   one line per variant: name, steps, validation interval,
+                                                           then its train.py overrides
 python benchmarks/ablation.py tokenize OVERRIDES...       fill the data cache once, for every run to read
 python benchmarks/ablation.py table WORK_DIR [NAME,...]   WORK_DIR/ablation.json and the table on stdout
 
 Every variant is the DFlash2 baseline (`experiment=gpu_smollm2`) with one thing changed, trained for the same steps on
 the same data; plain DFlash is the reference below it and prompt lookup (PLD, training-free) the one beside it.
+The budget is the data seen: STEPS is the baseline's count, and a variant with another `data.batch_size` trains and
+validates at the same conversations (e.g. 4x fewer steps of 16), so every row has seen the same epochs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -30,9 +34,11 @@ VARIANTS: dict[str, list[str]] = {
     "distill05": ["draft.distill=0.5"],
     "selector_alpha05": ["draft.selector_alpha=0.5"],
     "selector_ramp": ["draft.selector_ramp_steps=600"],
+    "batch16": ["data.batch_size=16"],
     "dflash": ["draft=dflash"],
 }
 BASELINE, PLD = "dflash2", "pld"
+EXPERIMENT = Path(__file__).resolve().parents[1] / "configs" / "experiment" / "gpu_smollm2.yaml"
 VAL_METRICS = ("tau_sim", "acc_1", "acc_2", "loss_ce")  # and the last slot's acc_k (acc_15 at block 16)
 
 
@@ -43,6 +49,25 @@ def chosen(names: str | None) -> dict[str, list[str]]:
     if unknown:
         raise SystemExit(f"VARIANTS: unknown {unknown}; choose from {','.join(VARIANTS)}")
     return {n: VARIANTS[n] for n in VARIANTS if n in wanted}
+
+
+def batch_size(overrides: list[str]) -> int:
+    """Conversations per step of a variant: its `data.batch_size` override, else the experiment's."""
+    from omegaconf import OmegaConf
+
+    given = [int(o.split("=", 1)[1]) for o in overrides if o.startswith("data.batch_size=")]
+    return given[-1] if given else int(OmegaConf.load(EXPERIMENT).data.batch_size)
+
+
+def schedule(overrides: list[str], steps: int, val: int) -> tuple[int, int]:
+    """(max_steps, val_check_interval) that see the conversations of the baseline's `steps` and `val`."""
+    base, batch = batch_size([]), batch_size(overrides)
+    if (steps * base) % batch or (val * base) % batch:
+        raise SystemExit(
+            f"STEPS={steps}, VAL={val}: both must be multiples of {batch // math.gcd(batch, base)}, so "
+            f"that data.batch_size={batch} sees as many conversations as {base} per step"
+        )
+    return steps * base // batch, val * base // batch
 
 
 def final_validation(run_dir: Path) -> dict[str, Any]:
@@ -85,6 +110,7 @@ def collect(work_dir: Path, variants: dict[str, list[str]]) -> dict[str, Any]:
             {
                 "name": name,
                 "overrides": overrides,
+                "batch_size": batch_size(overrides),
                 **train_summary(run),
                 **final_validation(run),
                 "tau": measured_tau(work_dir / "sweeps" / name),
@@ -97,8 +123,9 @@ def table(result: dict[str, Any]) -> pd.DataFrame:
     """One row per variant (and PLD): the final validation, its change from the baseline, the measured tau."""
     rows = [{k: v for k, v in r.items() if k not in ("overrides", "tau")} | r["tau"] for r in result["variants"]]
     frame = pd.DataFrame(rows).set_index("name")
-    if "steps" in frame:
-        frame["steps"] = frame["steps"].astype("Int64")
+    for column in ("batch_size", "steps"):
+        if column in frame:
+            frame[column] = frame[column].astype("Int64")
     base = frame["tau_sim"].get(BASELINE) if "tau_sim" in frame else None
     if base is not None and pd.notna(base):
         frame.insert(frame.columns.get_loc("tau_sim") + 1, "d_tau_sim", frame["tau_sim"] - base)
@@ -123,9 +150,9 @@ def tokenize(overrides: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     command, args = (argv[0], argv[1:]) if argv else ("", [])
-    if command == "variants":
-        for name, overrides in chosen(args[0] if args else None).items():
-            print(name, *overrides)
+    if command == "variants" and len(args) >= 2:
+        for name, overrides in chosen(args[2] if len(args) > 2 else None).items():
+            print(name, *schedule(overrides, int(args[0]), int(args[1])), *overrides)
     elif command == "tokenize":
         tokenize(args)
     elif command == "table" and args:

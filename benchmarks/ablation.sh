@@ -9,7 +9,8 @@
 #
 #   bash benchmarks/ablation.sh WORK_DIR            # e.g. /root/ablation; rerun to resume
 #
-# Env: STEPS (optimizer steps per run, 1200), VAL (validate and checkpoint every VAL steps, 300), JOBS (runs sharing
+# Env: STEPS (the baseline's optimizer steps, 1200; a variant with another data.batch_size takes the steps that see as
+# many conversations), VAL (validate and checkpoint every VAL baseline steps, 300), JOBS (runs sharing
 # the GPU, 4), VARIANTS (comma-separated names, default all; see `python benchmarks/ablation.py variants`), BENCHES
 # (gsm8k,humaneval,sharegpt), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
 # Resumable: a run that was killed resumes from its last checkpoint (VAL steps at most are lost), and a checked export
@@ -25,12 +26,12 @@ DATA=$W/smollm2.jsonl CACHE=$W/data_cache
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false trainer.max_epochs=1000)
 eval_args=(temperature=0 block_size=16 bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
-  STEPS=4 VAL=2 JOBS=${JOBS_CHECK:-2}
+  STEPS=8 VAL=4 JOBS=${JOBS_CHECK:-2}
   train_args+=(trainer=cpu model.dtype=float32 data.max_length=256 data.max_anchors=8 data.val_size=8 data.limit=64
     data.num_workers=0 data.num_proc=1)
   eval_args=(temperature=0 block_size=16 bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi
-train_args+=(data.path="$DATA" data.cache_dir="$CACHE" trainer.max_steps="$STEPS" trainer.val_check_interval="$VAL")
+train_args+=(data.path="$DATA" data.cache_dir="$CACHE")
 mkdir -p "$W/exports" "$W/sweeps" && rm -f "$W/failed"
 log() { echo "[$(date +%T)] $*"; }
 descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do descendants "$c"; echo "$c"; done; }
@@ -42,19 +43,22 @@ spawn() {  # run a command in the background once fewer than JOBS are running
   "$@" &
 }
 
-train() {  # train NAME OVERRIDES...: train (resuming a killed run), export and check; a checked export is kept
-  local name=$1 run=$W/runs/$1 resume=()
-  shift
+train() {  # train NAME STEPS VAL OVERRIDES...: train (resuming a killed run), export and check; a checked export is kept
+  local name=$1 run=$W/runs/$1 resume=() schedule=(trainer.max_steps="$2" trainer.val_check_interval="$3")
+  shift 3
   [ -f "$W/exports/$name.checked" ] && return 0
   if [ -f "$run/checkpoints/last.ckpt" ]; then
     resume=(ckpt_path="$run/checkpoints/last.ckpt")  # the run's own settings and step; a finished one stops at once
   else
     rm -rf "$run"  # killed before its first checkpoint: start it over, without the partial logs
   fi
-  if ! { OMP_NUM_THREADS=2 python train.py "${train_args[@]}" run_dir="$run" task_name="ablation_$name" "$@" \
+  # TORCH_LOGS: a stall in the progress log shows up as a recompilation, or as none.
+  if ! { OMP_NUM_THREADS=2 TORCH_LOGS=recompiles python train.py "${train_args[@]}" "${schedule[@]}" run_dir="$run" \
+      task_name="ablation_$name" "$@" \
       "${resume[@]}" >> "$W/train.$name.log" 2>&1 &&
     export_checked "$run" "$W/exports/$name" "$W/export.$name.log"; }; then
     fail "to train $name: see $W/train.$name.log and $W/export.$name.log"
+    return 1
   fi
   touch "$W/exports/$name.checked"
   log "trained, exported and checked $name"
@@ -65,6 +69,7 @@ evaluate() {  # evaluate NAME DRAFT: one sweep over the benches; Hydra keeps the
   if ! OMP_NUM_THREADS=2 python evaluate.py -m hydra.sweep.dir="$W/sweeps/$1" draft.path="$2" bench="$BENCHES" \
       "${eval_args[@]}" > "$W/eval.$1.log" 2>&1; then
     fail "to evaluate $1: see $W/eval.$1.log"
+    return 1
   fi
   touch "$W/sweeps/$1.done"
   log "evaluated $1"
@@ -72,6 +77,7 @@ evaluate() {  # evaluate NAME DRAFT: one sweep over the benches; Hydra keeps the
 
 variant() { train "$@" && evaluate "$1" "$W/exports/$1"; }
 
+variants=$(python benchmarks/ablation.py variants "$STEPS" "$VAL" "${VARIANTS:-}") || exit 1
 if [ ! -f "$DATA" ]; then
   gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz > "$DATA.tmp"
   mv "$DATA.tmp" "$DATA"
@@ -81,10 +87,10 @@ log "$(wc -l < "$DATA") conversations; tokenizing once into $CACHE"
 python benchmarks/ablation.py tokenize "${train_args[@]}" > "$W/tokenize.log" 2>&1 ||
   { log "FAILED to tokenize: see $W/tokenize.log"; exit 1; }
 spawn evaluate pld pld
-while read -r name overrides; do
+while read -r name steps val overrides; do
   # shellcheck disable=SC2086  # one word per override
-  spawn variant "$name" $overrides
-done < <(python benchmarks/ablation.py variants "${VARIANTS:-}")
+  spawn variant "$name" "$steps" "$val" $overrides
+done <<< "$variants"
 wait
 python benchmarks/ablation.py table "$W" "${VARIANTS:-}" | tee "$W/ablation.txt"
 python benchmarks/copy_gap.py "$W/sweeps" --out "$W/copy_gap.json" | tee "$W/copy_gap.txt"

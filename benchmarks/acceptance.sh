@@ -99,6 +99,7 @@ train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter alr
       "${schedule[@]}" data.cache_dir="$W/data_cache/$1" "${@:3}" > "$W/train.$1.log" 2>&1 &&
     export_checked "$W/runs/$1" "$W/exports/$1" "$W/export.$1.log"; }; then
     fail "to train $1: see $W/train.$1.log and $W/export.$1.log"
+    return 1
   fi
   touch "$W/exports/$1.checked"
   log "trained, exported and checked $1"
@@ -110,6 +111,7 @@ sweep() {  # sweep NAME GPU DRAFTS OVERRIDES...: one Hydra multirun under DIR (s
   if ! on "$2" python evaluate.py -m hydra.sweep.dir="$W/${SWEEPS:-sweeps}/$1" draft.path="${drafts%,}" \
       "${eval_args[@]}" "${@:4}" > "$W/sweep.$1.log" 2>&1; then
     fail "sweep $1: see $W/sweep.$1.log"
+    return 1
   fi
   log "swept $1"
 }

@@ -346,6 +346,25 @@ def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(c
         assert OmegaConf.to_container(cfg, resolve=True) != baseline, name
 
 
+def test_ablation_variants_see_the_baselines_conversations(capsys):
+    """`variants STEPS VAL` gives each variant the steps and validation interval that see as many conversations as
+    the baseline's STEPS and VAL, whatever its batch; a budget that a batch cannot split is refused, naming STEPS."""
+    ablation = load("ablation")
+    base = ablation.batch_size([])
+    assert ablation.batch_size(["data.batch_size=16"]) == 16 != base
+    unit = 16 // math.gcd(16, base)
+    steps, val = unit * random.randint(50, 500), unit * random.randint(5, 50)
+    ablation.main(["variants", str(steps), str(val)])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [line[0] for line in lines] == list(ablation.VARIANTS)
+    for name, got_steps, got_val, *overrides in lines:
+        batch = ablation.batch_size(overrides)
+        assert overrides == ablation.VARIANTS[name]
+        assert (int(got_steps) * batch, int(got_val) * batch) == (steps * base, val * base), name
+    with pytest.raises(SystemExit, match="STEPS"):
+        ablation.main(["variants", str(steps + 1), str(val), "batch16"])
+
+
 def test_random_weight_smollm2_has_the_embedded_targets_architecture():
     """--random-weights measures the SmolLM2 step without the GGUF: only if its architecture is the real one."""
     from dflash2.target import load_target_config
