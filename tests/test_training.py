@@ -10,8 +10,9 @@ import torch
 from fresh_forward import fresh_block_output
 from training_setup import config
 
+from dflash2.selector import head_logits
 from dflash2.training import DFlash2Module, draft_losses, loss_gamma, slot_weights
-from dflash2.training.losses import fused_head, plain_head, summarise
+from dflash2.training.losses import fused_head, grouped_topk, plain_head, summarise
 from dflash2.training.run import build_data, draft_config_for
 
 
@@ -77,9 +78,10 @@ def test_head_outputs_are_the_selectors_candidates():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_head_matches_the_plain_head_in_loss_and_gradients(dtype, soft):
     """Fresh random rows, weights, labels and upstream gradients; chunks that do not divide the rows. `distill`:
-    soft labels from a random teacher's rows, mixed with a random share."""
+    soft labels from a random teacher's rows, mixed with a random share. A vocabulary of thousands, so that the fused
+    path's grouped top-K has groups to leave out."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
-    v, h, n, k = 500, 32, int(torch.randint(40, 90, (), generator=gen)), 8
+    v, h, n, k = int(torch.randint(2000, 4000, (), generator=gen)), 32, int(torch.randint(40, 90, (), generator=gen)), 8
     head = torch.randn(v, h, generator=gen).to(dtype)
     hidden = torch.randn(n, h, generator=gen, requires_grad=True)
     labels = torch.randint(0, v, (n,), generator=gen)
@@ -113,13 +115,37 @@ def test_fused_head_matches_the_plain_head_in_loss_and_gradients(dtype, soft):
         assert torch.allclose(plain.loss, mixed, rtol=1e-5)
     else:
         assert fused.soft_rows is None and plain.soft_rows is None
-    assert torch.equal(fused.pred, plain.pred) and torch.equal(fused.cand, plain.cand)
-    assert torch.allclose(fused.vals.float(), plain.vals.float())
+    assert torch.equal(fused.pred, plain.pred) and torch.allclose(fused.vals.float(), plain.vals.float())
+    # The top-K's indices are defined up to ties (bf16 scores tie often): the fused path's point at the top-K values,
+    # and are the plain path's in every row whose k + 1 largest logits are apart by more than the chunks' rounding.
+    # Its values' gradient is then checked against the reference's for the same candidates.
+    logits = head_logits(hidden.detach(), head, v)
+    assert torch.allclose(logits.gather(1, fused.cand), plain.vals.float())
+    top = logits.topk(k + 1, -1).values
+    distinct = (top[:, :-1] - top[:, 1:] > (0 if dtype == torch.bfloat16 else 1e-5) * top[:, :1]).all(-1)
+    assert distinct.any() and torch.equal(fused.cand[distinct], plain.cand[distinct])
+    (g_ref,) = torch.autograd.grad((head_logits(hidden, head, v).gather(1, fused.cand) * g_vals).sum(), hidden)
+    g_plain = (g_plain[0], g_ref)
     # bf16 rounds the logits' gradient once in the plain path, twice (CE part, top-K part) in the fused one: 3e-4 of
     # the loss part's norm at most over 40 seeds.
     tol = 5e-3 if dtype == torch.bfloat16 else 1e-5
     for f, p in zip(g_fused, g_plain, strict=True):
         assert (f - p).norm() <= tol * p.norm(), ((f - p).norm(), p.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_topk_gives_topks_values_and_indices_that_hold_them(dtype):
+    """Fresh rows: normal scores, and small integers (ties everywhere); group sizes that do not divide the vocabulary,
+    and k above the number of groups."""
+    for _ in range(30):
+        n, v = random.randint(1, 12), random.randint(20, 2500)
+        k, group = min(2 ** random.randint(0, 5), v), random.randint(1, 300)
+        scores = torch.randn(n, v) * 4 if random.random() < 0.5 else torch.randint(-4, 5, (n, v)).float()
+        scores = scores.to(dtype)
+        vals, cand = grouped_topk(scores, k, group)
+        assert torch.equal(vals, scores.topk(k, -1).values), (n, v, k, group)
+        assert torch.equal(scores.gather(1, cand), vals)
+        assert all(len(set(row.tolist())) == k for row in cand)
 
 
 def test_fused_head_without_grad_and_without_top_k():

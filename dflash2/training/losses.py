@@ -111,6 +111,24 @@ def plain_head(
     return out
 
 
+def grouped_topk(scores: torch.Tensor, k: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scores.topk(k, -1)` of [N, V] scores, without a radix select over the whole vocabulary: the maximum of each
+    run of `group` entries, the k groups with the largest maxima, then the top-k of their k * group entries.
+
+    Exact in values and their order: if an entry y among a row's k largest lay in a group left out, each of the k
+    chosen groups would have a maximum >= y, so the candidates would already hold k entries >= y. Among tied values
+    the indices may differ from topk's, which leaves ties unordered too."""
+    n, v = scores.shape
+    pad = -v % group
+    padded = F.pad(scores, (0, pad), value=float("-inf")) if pad else scores
+    groups = padded.view(n, -1, group)
+    # In vocabulary order, so that ties among the candidates meet topk in the order they have in the row.
+    chosen = groups.amax(-1).topk(min(k, groups.shape[1]), -1).indices.sort(-1).values  # [N, k]
+    candidates = groups.gather(1, chosen[..., None].expand(-1, -1, group)).flatten(1)
+    vals, at = candidates.topk(k, -1)
+    return vals, chosen.gather(1, at // group) * group + at % group
+
+
 def _chunk(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -133,7 +151,7 @@ def _chunk(
     pred = logits.argmax(-1)
     vals = cand = None
     if top_k:  # the same values as the fp32 logits' top-K, from half the bytes; compiled, no fp32 logits are written
-        vals, cand = scores.topk(top_k, dim=-1)
+        vals, cand = grouped_topk(scores, top_k)
         vals = vals.float()
     grad_hidden = None
     if grad:  # d loss / d logits = softmax - t, t = (1-d) onehot(label) + d q; weighted per row, back through the head
