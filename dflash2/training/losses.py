@@ -158,7 +158,9 @@ def _chunk(
         grad_logits = torch.exp(logits - lse[:, None])
         if target is not None:
             grad_logits.sub_(target, alpha=distill)
-        grad_logits.scatter_add_(-1, labels[:, None], torch.full_like(lse[:, None], -(1.0 - distill)))
+        # A comparison, not a scatter: compiled, the gradient is then one pass that writes it in the head's dtype.
+        is_label = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
+        grad_logits = torch.where(is_label, grad_logits - (1.0 - distill), grad_logits)
         grad_hidden = (grad_logits * row_weights[:, None]).to(weight.dtype) @ weight
     return ce, soft, pred, vals, cand, grad_hidden
 
