@@ -30,6 +30,7 @@ VARIANTS: dict[str, list[str]] = {
     "betas0999": ["optim.betas=[0.9,0.999]"],
     "layers3": ["model.num_draft_layers=3", "model.target_layer_ids=[1,14,27]"],
     "layers5": ["model.num_draft_layers=5", "model.target_layer_ids=[1,8,14,20,27]"],
+    "layers8": ["model.num_draft_layers=8", "model.target_layer_ids=[1,5,8,12,16,20,23,27]"],
     "distill1": ["draft.distill=1.0"],
     "distill05": ["draft.distill=0.5"],
     "selector_alpha05": ["draft.selector_alpha=0.5"],
