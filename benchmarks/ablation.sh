@@ -43,7 +43,7 @@ spawn() {  # run a command in the background once fewer than JOBS are running
   "$@" &
 }
 
-train() {  # train NAME STEPS VAL OVERRIDES...: train (resuming a killed run), export and check; a checked export is kept
+train() {  # train NAME STEPS VAL OVERRIDES...: train (resuming a killed run), export, check; a checked export is kept
   local name=$1 run=$W/runs/$1 resume=() schedule=(trainer.max_steps="$2" trainer.val_check_interval="$3")
   shift 3
   [ -f "$W/exports/$name.checked" ] && return 0

@@ -365,6 +365,35 @@ def test_ablation_variants_see_the_baselines_conversations(capsys):
         ablation.main(["variants", str(steps + 1), str(val), "batch16"])
 
 
+def test_copy_probe_trains_on_loops_with_the_oracles_features(tmp_path):
+    """Every trained position of a probe row repeats the token one period back, and anchors sit on trained pairs; the
+    oracle's features are token i's embedding and the head's row of token i + 1; a tiny run writes every slot's acc."""
+    probe = load("copy_probe")
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for row in probe.periodic_rows(6, 96, (3, 9), 8, gen):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        trained = mask.nonzero().flatten()
+        period = int(trained[0]) - probe.PROMPT
+        assert 3 <= period <= 9 and trained[-1] == len(ids) - 1 and len(trained) == len(ids) - probe.PROMPT - period
+        assert torch.equal(ids[trained], ids[trained - period])
+        assert mask[row["anchors"]].all() and mask[row["anchors"] + 1].all()
+
+    bench = load("train_throughput")
+    bench.register_resolvers()
+    target = bench.build_target("qwen3-8b", bench.compose_preset("qwen3-8b", small=True), True, torch.device("cpu"))
+    ids = torch.randint(0, probe.VOCAB, (2, 10))
+    hidden = probe.oracle_features(target, ids).hidden
+    h = target.lm_head_weight.shape[1]
+    assert torch.equal(hidden[..., :h], target.embed_tokens(ids))
+    assert torch.equal(hidden[:, :-1, h:], target.lm_head_weight[ids[:, 1:]]) and not hidden[:, -1, h:].any()
+
+    args = ["--layers", "1", "--drafter", "dflash2", "--steps", "2", "--eval-batches", "1", "--length", "48"]
+    result = probe.main([*args, "--anchors", "4", "--batch-size", "2", "--out", str(tmp_path / "probe.json")])
+    (run,) = result["runs"]
+    assert len(run["acc"]) == result["args"]["block_size"] - 1 and all(0 <= a <= 1 for a in run["acc"])
+    assert run["tau_sim"] >= 1 and json.loads((tmp_path / "probe.json").read_text()) == result
+
+
 def test_random_weight_smollm2_has_the_embedded_targets_architecture():
     """--random-weights measures the SmolLM2 step without the GGUF: only if its architecture is the real one."""
     from dflash2.target import load_target_config
