@@ -8,10 +8,10 @@ the question down to loops alone: every row is a random prompt, then a random mo
 trained, so every label is a copy from the context: slot k of the block at anchor a must give the token at a + k,
 which is the token P (or 2P, ...) positions back. The target's features are an oracle of what a real target gives
 on its own greedy text: at position i, the embedding of token i (a shallow layer) and the head's row of token i + 1
-(a deep layer, which on greedy text points at the next token). Embedding and head are those of the random tiny Qwen3 of
-`train_throughput.py --small`; the drafter is the experiment's at tiny sizes with the selector off, so that `acc_k`
-is the head's argmax. Each drafter trains --steps steps on fresh rows, then
-`acc_k` is measured on fresh rows: if a drafter copies one more slot per layer, `acc_k` falls off after slot
+(a deep layer, which on greedy text points at the next token). Embedding and head are those of the random tiny
+Qwen3 of `train_throughput.py --small`; the drafter is the experiment's at tiny sizes with the selector off, so
+that `acc_k` is the head's argmax. Each drafter trains --steps steps on fresh rows, then `acc_k` is measured on
+fresh rows, as its validation does: if a drafter copies one more slot per layer, `acc_k` falls off after slot
 `layers` (DFlash2's convolution passes each slot's state to the next within a layer).
 """
 
@@ -32,7 +32,6 @@ from train_throughput import DRAFTERS, build_module, build_target, compose_prese
 
 from dflash2.data.anchors import sample_anchors  # noqa: E402
 from dflash2.data.datamodule import BlockCollator  # noqa: E402
-from dflash2.training.losses import summarise  # noqa: E402
 
 VOCAB, MASK, PROMPT = 512, 511, 16  # the tiny target's vocabulary and mask id (train_throughput's qwen3-8b --small)
 
@@ -99,12 +98,11 @@ def probe(drafter: str, layers: int, args: argparse.Namespace) -> dict:
     loader = torch.utils.data.DataLoader(Rows(collate, args, seed=1), batch_size=None)
     trainer.fit(module, train_dataloaders=loader)
     module.eval()
-    counts: dict[str, torch.Tensor] = {}
+    module.val_metrics.reset()
     with torch.no_grad():
         for batch in itertools.islice(Rows(collate, args, seed=2), args.eval_batches):
-            for k, v in module.draft_step(batch).counts.items():
-                counts[k] = counts.get(k, 0) + v.detach().double()
-    metrics = summarise(counts)
+            module.validation_step(batch, 0)
+    metrics = module.val_metrics.compute()
     acc = [metrics[f"acc_{k}"] for k in range(1, args.block_size)]
     print(
         f"{drafter:8s} {layers} layers: tau_sim {metrics['tau_sim']:.3f}  loss_ce {metrics['loss_ce']:.2f}  acc_k "
