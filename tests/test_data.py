@@ -444,6 +444,20 @@ def test_batches_are_consistent(tokenizer, tmp_path, cache):
     assert (diff == 1).all()
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_drop_last_drops_the_short_training_batch_only(tokenizer, tmp_path, cache, drop_last):
+    rng = random.Random()
+    records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 3))} for i in range(16)]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    dm = make_module(tokenizer, path, cache, batch_size=5, drop_last=drop_last)
+    dm.setup("fit")
+    train = [len(b["input_ids"]) for b in dm.train_dataloader()]
+    assert train == ([5, 5] if drop_last else [5, 5, 2])
+    assert [len(b["input_ids"]) for b in dm.val_dataloader()] == [4]
+    with pytest.raises(ValueError, match="data.drop_last='yes'"):
+        make_module(tokenizer, None, cache, drop_last="yes")
+
+
 def test_train_anchors_change_and_validation_anchors_do_not(tokenizer, tmp_path, cache):
     rng = random.Random()
     records = [{"id": f"c{i}", "messages": random_chat(rng, turns=6)} for i in range(10)]

@@ -301,6 +301,7 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
         ("draft.init_std=-0.02", "draft.init_std=-0.02: .* must be > 0"),
         ("trainer=fsdp", "draft.feature_scaling=true .* FSDP"),
         ("model.compile=fast", "model.compile='fast': set it to true, false or one of torch.compile's modes"),
+        ("data.drop_last=yes", "data.drop_last='yes': set it to true or false"),
     ],
 )
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):

@@ -95,6 +95,12 @@ def check_pad_to_multiple_of(value: object) -> None:
         )
 
 
+def check_drop_last(value: object) -> None:
+    """`data.drop_last` must be a bool: whether each epoch's last, short training batch is dropped."""
+    if not isinstance(value, bool):
+        raise ValueError(f"data.drop_last={value!r}: set it to true or false")
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -125,6 +131,7 @@ class DFlashDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         name: str | None = None,
         pad_to_multiple_of: int = 1,
+        drop_last: bool = False,
     ):
         super().__init__()
         if block_size < 2:
@@ -136,6 +143,7 @@ class DFlashDataModule(L.LightningDataModule):
                 "the target's tokenizer has no chat template; use an instruct/chat target or set "
                 "tokenizer.chat_template before building the data"
             )
+        check_drop_last(drop_last)
         if max_length < 2 or max_anchors < 1:
             raise ValueError(f"max_length={max_length} must be >= 2 and max_anchors={max_anchors} >= 1")
         self.save_hyperparameters(ignore=["tokenizer"])
@@ -204,6 +212,7 @@ class DFlashDataModule(L.LightningDataModule):
             data,
             batch_size=h.batch_size,
             shuffle=train,
+            drop_last=train and h.drop_last,  # validation always sees every chat
             collate_fn=self.collate,
             num_workers=h.num_workers,
             persistent_workers=h.num_workers > 0,

@@ -110,9 +110,10 @@ def check_config(cfg: DictConfig) -> None:
         raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
     check_training_knobs(cfg.draft, cfg.trainer.get("strategy"))
     compile_mode(cfg.model.get("compile"))
-    from dflash2.data.datamodule import check_pad_to_multiple_of
+    from dflash2.data.datamodule import check_drop_last, check_pad_to_multiple_of
 
     check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
+    check_drop_last(cfg.data.get("drop_last", False))
     model = OmegaConf.merge(cfg.model, warm_start_fields(cfg.draft))
     draft_config_from(draft_config_fields(load_target_config(cfg.model)), model, cfg.draft)
 
