@@ -28,6 +28,7 @@ VARIANTS: dict[str, list[str]] = {
     "feature_scaling": ["draft.feature_scaling=true"],
     "init_std002": ["draft.init_std=0.02"],
     "betas0999": ["optim.betas=[0.9,0.999]"],
+    "lr2x": ["optim.lr=1.2e-3"],
     "layers3": ["model.num_draft_layers=3", "model.target_layer_ids=[1,14,27]"],
     "layers5": ["model.num_draft_layers=5", "model.target_layer_ids=[1,8,14,20,27]"],
     "layers8": ["model.num_draft_layers=8", "model.target_layer_ids=[1,5,8,12,16,20,23,27]"],
@@ -36,6 +37,7 @@ VARIANTS: dict[str, list[str]] = {
     "selector_alpha05": ["draft.selector_alpha=0.5"],
     "selector_ramp": ["draft.selector_ramp_steps=600"],
     "batch16": ["data.batch_size=16"],
+    "batch16_lr2x": ["data.batch_size=16", "optim.lr=1.2e-3"],  # Adam's square-root rule for 4x the batch
     "dflash": ["draft=dflash"],
 }
 BASELINE, PLD = "dflash2", "pld"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The context ablation on one GPU (issue 19, item 2; BENCHMARKS.md, "Ablation"): the DFlash2 baseline and one change
 # at a time (benchmarks/ablation.py lists them: a sliding-window first layer, feature scaling, init std 0.02, Adam
-# betas (0.9, 0.999), 3, 5 or 8 draft layers, distillation 1.0 and 0.5, selector weight 0.5 or ramped), plain DFlash as
+# betas (0.9, 0.999), twice the learning rate, 3, 5 or 8 draft layers, distillation 1.0 and 0.5, selector weight 0.5
+# or ramped, 16 conversations per step at the recipe's or twice its learning rate), plain DFlash as
 # the reference, each trained on the same conversations of the regenerated ShareGPT set (16,211 of them) -> export +
 # check -> measured tau at T=0, block 16 on gsm8k, humaneval and sharegpt (100 prompts each), prompt lookup (PLD)
 # beside them -> WORK_DIR/ablation.json and a table: final val tau_sim, acc_1, acc_2, acc_15, loss_ce, measured tau;

@@ -11,7 +11,8 @@
 #
 #   bash benchmarks/train_speed.sh OUT_DIR        # JSON, logs and the CSV curves land in OUT_DIR
 #
-# Env: STEPS (400), VAL (validate every VAL steps, 200), PARTS (which of equal,throughput,epoch to run; all by default).
+# Env: STEPS (400), VAL (validate every VAL steps, 200), PARTS (which of equal,throughput,epoch to run; all by default),
+# EPOCH_OVERRIDES (train.py overrides of the epoch part, space-separated, e.g. "data.batch_size=16").
 set -eu  # no pipefail: a failing test must not stop the measurements after it (its log says so)
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${1:?usage: bash benchmarks/train_speed.sh OUT_DIR}")
@@ -61,7 +62,8 @@ fi
 if part epoch; then
   log "one epoch with the fast path"
   start=$(date +%s)
-  train epoch trainer.max_epochs=1
+  # shellcheck disable=SC2086  # one word per override
+  train epoch trainer.max_epochs=1 ${EPOCH_OVERRIDES:-}
   echo "{\"epoch_wall_s\": $(( $(date +%s) - start ))}" > "$OUT/epoch_wall.json"
   tail -4 "$W/train_epoch.log"
 fi
