@@ -11,8 +11,8 @@ clipping and the fused AdamW step. The batch is synthetic but built by the data 
 BlockCollator): `data.batch_size` rows of `data.max_length` random tokens whose first eighth is an untrained prompt,
 so every row is full length and carries the full `max_anchors` blocks (the most work a step of the recipe can get).
 Each step is timed from Lightning's on_train_batch_start to on_train_batch_end with the device synchronised at both;
-the median over --steps after --warmup steps is reported, with the device time of its phases (forward, backward,
-clipping + optimizer). Variants: `fast` is the experiment as configured (the fused head, and on a GPU torch.compile
+the median over --steps after --warmup steps is reported, with the device and the host time of its phases (forward,
+backward, clipping + optimizer). Variants: `fast` is the experiment as configured (the fused head, and on a GPU torch.compile
 of the drafter, the head's chunks and the mask); `plain` is the PyTorch reference path (whole logits, eager).
 --profile runs two more steps under torch.profiler and records the device time of the forward's named ranges
 (target, block_mask, draft, losses) and the costliest kernels. A preset that runs out of memory is recorded as
@@ -189,8 +189,10 @@ class StepTimer(Callback):
     """Seconds per training step (forward, backward, clipping, optimizer), with the device idle at both ends.
 
     On a GPU also the device time of each phase, from CUDA events at Lightning's hooks: forward (target, mask,
-    drafter, losses), backward, then gradient clipping + optimizer step + zero_grad. With `profile_step` >= 0 that
-    step and the next run under torch.profiler (`self.profiler`)."""
+    drafter, losses), backward, then gradient clipping + optimizer step + zero_grad. The host's time between the same
+    hooks (`host_phases`) says where a step bound by the host spends it: the host queues a phase's kernels and moves
+    on, so a phase whose host time exceeds its device time keeps the GPU waiting. With `profile_step` >= 0 that step
+    and the next run under torch.profiler (`self.profiler`)."""
 
     PHASES = ("forward", "backward", "optimizer")
 
@@ -198,8 +200,10 @@ class StepTimer(Callback):
         self.seconds: list[float] = []
         self.losses: list[float] = []
         self.phases: list[dict[str, float]] = []
+        self.host_phases: list[dict[str, float]] = []
         self._start = 0.0
         self._events: list[Any] = []
+        self._host: list[float] = []
         self.profile_step, self.profiler = profile_step, None
 
     @staticmethod
@@ -208,6 +212,7 @@ class StepTimer(Callback):
             torch.cuda.synchronize(module.device)
 
     def _mark(self, module: L.LightningModule) -> None:
+        self._host.append(time.perf_counter())
         if module.device.type == "cuda":
             self._events.append(torch.cuda.Event(enable_timing=True))
             self._events[-1].record()
@@ -223,9 +228,9 @@ class StepTimer(Callback):
             self.profiler = torch.profiler.profile()
             self.profiler.__enter__()
         self._sync(module)
-        self._events = []
+        self._events, self._host = [], []
         self._mark(module)
-        self._start = time.perf_counter()
+        self._start = self._host[0]
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -233,6 +238,9 @@ class StepTimer(Callback):
         self._mark(module)
         self._sync(module)
         self.seconds.append(time.perf_counter() - self._start)
+        if len(self._host) == 4:  # the last mark comes before the sync: host time only
+            host = self._host
+            self.host_phases.append({p: host[i + 1] - host[i] for i, p in enumerate(self.PHASES)})
         self.losses.append(float(outputs["loss"]))
         if len(self._events) == 4:
             pairs = zip(self.PHASES, self._events[:-1], self._events[1:], strict=True)
@@ -349,8 +357,9 @@ def run_preset(
         "mfu": flops["total"] / step_s / (peak_tflops * 1e12),
         "losses": timer.losses,
     }
-    if timer.phases:
-        result["phases_s_median"] = {p: statistics.median(t[p] for t in timer.phases[timed]) for p in timer.PHASES}
+    for name, phases in (("phases_s_median", timer.phases), ("host_phases_s_median", timer.host_phases)):
+        if phases:
+            result[name] = {p: statistics.median(t[p] for t in phases[timed]) for p in timer.PHASES}
     if profile:
         result["profile"] = profile_tables(timer.profiler, profiled)
     if device.type == "cuda":

@@ -111,6 +111,9 @@ def test_train_throughput_small_reports_consistent_rates(tmp_path):
         assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
         assert run["achieved_tflops"] == pytest.approx(flops["total"] / step / 1e12)
         assert run["mfu"] == pytest.approx(flops["total"] / step / 100e12)
+        host = run["host_phases_s_median"]  # each phase's host time, within the timed step
+        assert list(host) == ["forward", "backward", "optimizer"] and all(finite_positive(t) for t in host.values())
+        assert sum(host.values()) <= max(run["step_s"][run["warmup_steps"] :])
 
 
 @pytest.mark.parametrize("preset", ["smollm2", "qwen3-8b"])
