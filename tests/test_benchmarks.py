@@ -410,3 +410,19 @@ def test_random_weight_smollm2_has_the_embedded_targets_architecture():
     for key in (*bench.SMOLLM2, "hidden_act", "attention_bias", "mlp_bias"):
         want = getattr(real, key)  # the GGUF stores floats in single precision
         assert getattr(target.config, key) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), key
+
+
+# ---------------------------------------------------------------------------------------------- draft_attention.py
+def test_draft_attention_small_and_its_pair_count(tmp_path):
+    bench = load("draft_attention")
+    out = tmp_path / "attention.json"
+    result = bench.main(["--small", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [json.loads(r["kernel_options"]) for r in result["rows"]] == bench.CONFIGS
+    for row in result["rows"]:  # eager on the CPU: the options change nothing, every set gives the same output
+        assert "error" not in row and row["max_abs_diff"] == 0.0 and finite_positive(row["forward_ms"]), row
+    # The FLOP count's pairs are the training mask's: count them in the dense mask of random anchors.
+    rows, length, n, block = 3, int(torch.randint(64, 200, ())), 6, 4
+    anchors = bench.training_blocks(rows, length, n, block, seed=random.randrange(2**31))
+    mask = dense_block_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), length, block)
+    assert bench.attended_pairs(anchors, block) == int(mask.sum())
