@@ -12,8 +12,9 @@ BlockCollator): `data.batch_size` rows of `data.max_length` random tokens whose 
 so every row is full length and carries the full `max_anchors` blocks (the most work a step of the recipe can get).
 Each step is timed from Lightning's on_train_batch_start to on_train_batch_end with the device synchronised at both;
 the median over --steps after --warmup steps is reported, with the device and the host time of its phases (forward,
-backward, clipping + optimizer). Variants: `fast` is the experiment as configured (the fused head, and on a GPU torch.compile
-of the drafter, the head's chunks and the mask); `plain` is the PyTorch reference path (whole logits, eager).
+backward, clipping + optimizer). Variants: `fast` is the experiment as configured (the fused head, and on a GPU
+torch.compile of the drafter, the head's chunks and the mask); `plain` is the PyTorch reference path (whole logits,
+eager).
 --profile runs two more steps under torch.profiler and records the device time of the forward's named ranges
 (target, block_mask, draft, losses) and the costliest kernels. A preset that runs out of memory is recorded as
 such and the others still run; `--override data.max_anchors=256` (any Hydra override) shrinks it.
