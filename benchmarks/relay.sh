@@ -2,19 +2,20 @@
 # Carries a training run from one GPU session to the next, so that a run longer than a session's device time resumes
 # where it stopped (`ckpt_path=<run dir>/checkpoints/last.ckpt`, or rerunning ablation.sh / acceptance.sh). A DFlash2
 # drafter for SmolLM2 with its AdamW state is about 400 MB, and one call to the GPU machine returns at most 64 MiB and
-# takes at most 64 MiB: the run travels as folders of RELAY_PARTS parts (4) of RELAY_PART_BYTES (16,000,000) each.
+# takes at most 64 MiB with the checkout: the run travels as folders of RELAY_PARTS parts (3) of RELAY_PART_BYTES
+# (16,000,000) each: 48 MB, which leaves room for the checkout in what a call carries.
 #
 #   on the GPU, once:       bash benchmarks/relay.sh pack RUN_DIR STORE      # STORE/0, STORE/1, ...; prints the count
 #   on the GPU, per folder: bash benchmarks/relay.sh send STORE K "$OUT"     # one call each, K = 0, 1, ...
-#   here:                   copy each call's files into .relay/NAME/K/ (an ignored folder of the checkout)
+#   here:                   copy each call's files into .relay/NAME/K/ (ignored by git)
 #   next session, per K:    carry .relay/NAME/K; bash benchmarks/relay.sh receive .relay/NAME/K STORE
 #   then, once:             bash benchmarks/relay.sh unpack STORE RUN_PARENT  # checks every part, restores RUN_DIR
 #
 # The run folder travels whole except its checkpoints other than last.ckpt (the best one by val/tau_sim is another
 # 400 MB; a resume and export.py read last.ckpt). unpack refuses a missing or damaged part and writes nothing then.
 set -euo pipefail
-PART=${RELAY_PART_BYTES:-16000000} PER=${RELAY_PARTS:-4}
-usage() { sed -n '7,11p' "$0" >&2; exit 2; }
+PART=${RELAY_PART_BYTES:-16000000} PER=${RELAY_PARTS:-3}
+usage() { sed -n '8,12p' "$0" >&2; exit 2; }
 case "${1:-}" in
   pack)
     [ $# -eq 3 ] || usage
