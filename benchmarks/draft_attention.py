@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash2.data.anchors import flex_block_mask
+from dflash2.data.anchors import flex_block_mask, sample_anchors
 from dflash2.timing import print_table
 
 CONFIGS: list[dict[str, Any]] = [
@@ -39,12 +39,13 @@ CONFIGS: list[dict[str, Any]] = [
 ]
 
 
-def training_blocks(rows: int, length: int, anchors: int, block_size: int, seed: int) -> torch.Tensor:
-    """[rows, anchors] sorted distinct anchors after each row's untrained first eighth."""
+def training_blocks(rows: int, length: int, anchors: int, seed: int) -> torch.Tensor:
+    """[rows, anchors] anchors drawn as train_throughput.py's synthetic batch draws them (`sample_anchors`, the first
+    eighth of each row an untrained prompt)."""
     gen = torch.Generator().manual_seed(seed)
-    first = length // 8
-    room = length - first - block_size
-    return torch.stack([torch.randperm(room, generator=gen)[:anchors].sort().values + first for _ in range(rows)])
+    loss_mask = torch.ones(length, dtype=torch.long)
+    loss_mask[: length // 8] = 0
+    return torch.stack([sample_anchors(loss_mask, anchors, gen) for _ in range(rows)])
 
 
 def attended_pairs(anchors: torch.Tensor, block_size: int) -> int:
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     heads, kv_heads, dim = args.heads
-    anchors = training_blocks(args.rows, args.length, args.anchors, args.block_size, seed=0).to(device)
+    anchors = training_blocks(args.rows, args.length, args.anchors, seed=0).to(device)
     valid = torch.ones_like(anchors, dtype=torch.bool)
     mask = flex_block_mask(anchors, valid, args.length, args.block_size, BLOCK_SIZE=128 if cuda else 16)
     gen = torch.Generator().manual_seed(1)

@@ -423,7 +423,7 @@ def test_draft_attention_small_and_its_pair_count(tmp_path):
         assert "error" not in row and row["max_abs_diff"] == 0.0 and finite_positive(row["forward_ms"]), row
     # The FLOP count's pairs are the training mask's: count them in the dense mask of random anchors.
     rows, length, n, block = 3, int(torch.randint(64, 200, ())), 6, 4
-    anchors = bench.training_blocks(rows, length, n, block, seed=random.randrange(2**31))
+    anchors = bench.training_blocks(rows, length, n, seed=random.randrange(2**31))
     mask = dense_block_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), length, block)
     assert bench.attended_pairs(anchors, block) == int(mask.sum())
 
