@@ -8,7 +8,7 @@ python benchmarks/ablation.py table WORK_DIR [NAME,...]   WORK_DIR/ablation.json
 Every variant is the DFlash2 baseline (`experiment=gpu_smollm2`) with one thing changed, trained for the same steps on
 the same data; plain DFlash is the reference below it and prompt lookup (PLD, training-free) the one beside it.
 The budget is the data seen: STEPS is the baseline's count, and a variant with another `data.batch_size` trains and
-validates at the same conversations (e.g. 4x fewer steps of 16), so every row has seen the same epochs.
+validates at the same conversations (e.g. 4x more steps of 4), so every row has seen the same epochs.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ VARIANTS: dict[str, list[str]] = {
     "distill05": ["draft.distill=0.5"],
     "selector_alpha05": ["draft.selector_alpha=0.5"],
     "selector_ramp": ["draft.selector_ramp_steps=600"],
-    "batch16": ["data.batch_size=16"],
-    "batch16_lr2x": ["data.batch_size=16", "optim.lr=1.2e-3"],  # Adam's square-root rule for 4x the batch
+    "batch4": ["data.batch_size=4"],  # the recipe's batch before 2026-12-02
     "dflash": ["draft=dflash"],
 }
 BASELINE, PLD = "dflash2", "pld"

@@ -10,8 +10,8 @@
 #
 #   bash benchmarks/ablation.sh WORK_DIR            # e.g. /root/ablation; rerun to resume
 #
-# Env: STEPS (the baseline's optimizer steps, 1200; a variant with another data.batch_size takes the steps that see as
-# many conversations), VAL (validate and checkpoint every VAL baseline steps, 300), JOBS (runs sharing
+# Env: STEPS (the baseline's optimizer steps, 300; a variant with another data.batch_size takes the steps that see as
+# many conversations), VAL (validate and checkpoint every VAL baseline steps, 75), JOBS (runs sharing
 # the GPU, 4), VARIANTS (comma-separated names, default all; see `python benchmarks/ablation.py variants`), BENCHES
 # (gsm8k,humaneval,sharegpt), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
 # Resumable: a run that was killed resumes from its last checkpoint (VAL steps at most are lost), and a checked export
@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/lib.sh
 W=$(realpath -m "${1:?usage: bash benchmarks/ablation.sh WORK_DIR}")
-STEPS=${STEPS:-1200} VAL=${VAL:-300} JOBS=${JOBS:-4} BENCHES=${BENCHES:-gsm8k,humaneval,sharegpt}
+STEPS=${STEPS:-300} VAL=${VAL:-75} JOBS=${JOBS:-4} BENCHES=${BENCHES:-gsm8k,humaneval,sharegpt}
 DATA=$W/smollm2.jsonl CACHE=$W/data_cache
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false trainer.max_epochs=1000)
 eval_args=(temperature=0 block_size=16 bench.limit=100 batch_size=100 wandb.enabled=false)

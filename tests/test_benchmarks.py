@@ -354,8 +354,8 @@ def test_ablation_variants_see_the_baselines_conversations(capsys):
     the baseline's STEPS and VAL, whatever its batch; a budget that a batch cannot split is refused, naming STEPS."""
     ablation = load("ablation")
     base = ablation.batch_size([])
-    assert ablation.batch_size(["data.batch_size=16"]) == 16 != base
-    unit = 16 // math.gcd(16, base)
+    other = next(ablation.batch_size(o) for o in ablation.VARIANTS.values() if ablation.batch_size(o) != base)
+    unit = other // math.gcd(other, base)
     steps, val = unit * random.randint(50, 500), unit * random.randint(5, 50)
     ablation.main(["variants", str(steps), str(val)])
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
@@ -364,8 +364,9 @@ def test_ablation_variants_see_the_baselines_conversations(capsys):
         batch = ablation.batch_size(overrides)
         assert overrides == ablation.VARIANTS[name]
         assert (int(got_steps) * batch, int(got_val) * batch) == (steps * base, val * base), name
+    odd = 3 * base  # a batch that the baseline's steps + 1 cannot fill
     with pytest.raises(SystemExit, match="STEPS"):
-        ablation.main(["variants", str(steps + 1), str(val), "batch16"])
+        ablation.schedule([f"data.batch_size={odd}"], 3 * steps + 1, 3 * val)
 
 
 def test_copy_probe_trains_on_loops_with_the_oracles_features(tmp_path):
