@@ -34,6 +34,12 @@ def compiled_flex_attention() -> Any:
     return torch.compile(flex_attention, dynamic=True)
 
 
+# Flex attention's own forward tiles ran the training mask at 42 TFLOP/s on an H200 with SmolLM2's heads of 64; these
+# ran it at 217, their backward as fast as before (BENCHMARKS.md, "Flex attention's forward tiles"). Measured for
+# heads of 64 only: other head sizes keep flex attention's choice.
+FLEX_KERNEL_OPTIONS = {64: {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3}}
+
+
 Mask = Any  # bool tensor [b|1, 1, q, keys] (True = attend), a flex BlockMask, a {layer_type: mask} dict, or None
 
 
@@ -141,7 +147,8 @@ class Attention(nn.Module):
             # Inside a compiled drafter flex attention is traced into its graph; a nested torch.compile would break it.
             eager = not qh.is_cuda or torch.compiler.is_compiling()
             attend = flex_attention if eager else compiled_flex_attention()
-            out = attend(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
+            options = FLEX_KERNEL_OPTIONS.get(self.head_dim) if qh.is_cuda else None
+            out = attend(qh, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads, kernel_options=options)
         else:
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))

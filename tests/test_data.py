@@ -369,6 +369,35 @@ def test_flex_attention_agrees_with_dense_attention(sliding):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's kernel options are for its GPU kernels")
+def test_flex_kernel_options_agree_with_dense_attention_on_cuda():
+    """The drafter's tuned flex attention tiles (`FLEX_KERNEL_OPTIONS`, compiled as the drafter compiles it) against
+    dense attention over the same mask in fp32: output and gradients, bf16 inputs, at heads of 64."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash2.model import FLEX_KERNEL_OPTIONS
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    context_len, block_size, dim = 700, 16, 64
+    anchors, valid, _, context_valid = random_blocks(gen, context_len=context_len, block_size=block_size)
+    b, n = anchors.shape
+    q = torch.randn(b, 6, n * block_size, dim, generator=gen)
+    k, v = (torch.randn(b, 2, context_len + n * block_size, dim, generator=gen) for _ in range(2))
+    q, k, v = (x.cuda().bfloat16().requires_grad_() for x in (q, k, v))
+    dense = dense_block_mask(anchors, valid, context_len, block_size, context_valid).cuda()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want = sdpa(*(x.float() for x in (q, k, v)), attn_mask=dense, enable_gqa=True)
+    block_mask = flex_block_mask(anchors.cuda(), valid.cuda(), context_len, block_size, context_valid.cuda())
+    attend = torch.compile(flex_attention, dynamic=True)
+    got = attend(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS[dim])
+    grad = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    got_grads = torch.autograd.grad(got.float(), (q, k, v), grad)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g.float() - w.float()).norm() <= 2e-2 * w.float().norm()
+
+
 # --- the datamodule ------------------------------------------------------------------------------------------
 
 
