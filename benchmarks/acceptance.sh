@@ -2,21 +2,22 @@
 # The acceptance proof on one machine with 1 or 2 GPUs (BENCHMARKS.md, "Acceptance"):
 #   regenerate ShareGPT with SmolLM2 -> train DFlash, DFlash2 (joint) and DFlash2 warm-started from the DFlash
 #   export (conv + selector only), the same data and schedule -> export + check each -> evaluate the grid
-#   (6 benches x T=0,1 x block 16,8 x 3 drafters and prompt lookup, the training-free baseline; 100 prompts each,
+#   (7 benches x T=0,1 x block 16,8 x 3 drafters and prompt lookup, the training-free baseline; 100 prompts each,
 #   all 80 of MT-Bench) -> time the T=0 block-16 gsm8k cell of each alone on the GPU, beside the target decoding
 #   alone (medians of 3 passes each) -> WORK_DIR/acceptance_vs_pld.json (benchmarks/acceptance_vs_pld.py).
 #
 #   bash benchmarks/acceptance.sh WORK_DIR            # e.g. /root/acceptance; rerun to resume
 #
 # Env: STEPS (optimizer steps per drafter; unset = the experiment's whole schedule, 6 epochs, whose cosine then spans
-# them; set, the cosine spans STEPS), VAL (validate every VAL steps; unset = the experiment's 4 times an epoch), LIMIT (ShareGPT conversations to
-# regenerate, 2800: STEPS x 4 rows plus the 256 held out for validation, with room for skips), JOBS (processes sharing
-# the GPUs while the grid runs, 6: one evaluation is bound by its Python loop and leaves a GPU mostly idle), SETTINGS
-# (the grid's settings, ';'-separated, default all four of T=0,1 x block 16,8), BENCHES (the grid's benches in
-# ';'-separated groups, one sweep each, default gsm8k,humaneval,math500;mbpp,mtbench,alpaca), DRAFTERS (the drafters
-# trained, swept and timed, default dflash,dflash2,dflash2_warm; dflash is always trained: it is the baseline, and
-# the warm start's init), CHECK_ONLY=1 (tiny sizes for a CPU rehearsal of the plumbing), UNTIL=<stage> (stop after
-# that stage: regenerate, train, grid, speed; stopped after the grid or later, it still writes the summaries and JSON).
+# them; set, the cosine spans STEPS), VAL (validate every VAL steps; unset = the experiment's 4 times an epoch), LIMIT
+# (ShareGPT conversations to regenerate, 2800: STEPS x data.batch_size rows plus the 256 held out for validation, with
+# room for skips), JOBS (processes sharing the GPUs while the grid runs, 6: one evaluation is bound by its Python loop
+# and leaves a GPU mostly idle), SETTINGS (the grid's settings, ';'-separated, default all four of T=0,1 x block
+# 16,8), BENCHES (the grid's benches in ';'-separated groups, one sweep each, default
+# gsm8k,humaneval,math500,sharegpt;mbpp,mtbench,alpaca), DRAFTERS (the drafters trained, swept and timed, default
+# dflash,dflash2,dflash2_warm; the warm start trains dflash too, its init), CHECK_ONLY=1 (tiny sizes for a CPU
+# rehearsal of the plumbing), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the
+# grid or later, it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
 # GPUs; the speed stage measures them alone.
@@ -119,7 +120,7 @@ sweep() {  # sweep NAME GPU DRAFTS OVERRIDES...: one Hydra multirun under DIR (s
 # The grid in order of priority, two groups of benches per setting, so that up to JOBS runs share the GPUs.
 IFS=';' read -ra SETTINGS <<< "${SETTINGS:-temperature=0 block_size=16;temperature=1 block_size=16;\
 temperature=0 block_size=8;temperature=1 block_size=8}"
-IFS=';' read -ra BENCHES <<< "${BENCHES:-gsm8k,humaneval,math500;mbpp,mtbench,alpaca}"
+IFS=";" read -ra BENCHES <<< "${BENCHES:-gsm8k,humaneval,math500,sharegpt;mbpp,mtbench,alpaca}"
 grid() {  # grid DRAFT: spawn its sweeps, one per setting and group of benches
   local s h
   for s in "${SETTINGS[@]}"; do
@@ -136,7 +137,7 @@ if stage train; then
   # Two trainings share a GPU well: each alone leaves it mostly idle (BENCHMARKS.md, training throughput).
   # The warm start follows DFlash on its GPU; beside the grid's evaluations it trained 4 times slower.
   if wanted dflash2; then spawn train dflash2; fi
-  if train dflash 1 draft=dflash && wanted dflash2_warm; then
+  if { wanted dflash || wanted dflash2_warm; } && train dflash 1 draft=dflash && wanted dflash2_warm; then
     spawn train dflash2_warm draft.init_from="$W/exports/dflash" draft.train_backbone=false
   fi
   finish

@@ -178,6 +178,60 @@ def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
     assert out.counts["topk_hit"] == valid and out.counts["selector_total"] == valid - 1
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_counted_on_the_host_are_the_boolean_indexs_rows(fused):
+    """`trained` (the count the host knows) gathers the same rows in the same order as the boolean index: every
+    output and gradient is the same; a count one short is not."""
+    from dflash2.selector import CandidateSelector
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    v, h, b, n, s = 96, 16, 3, 5, 6
+    labels = torch.randint(0, v, (b, n, s), generator=gen)
+    labels[torch.rand(b, n, s, generator=gen) < 0.3] = -100
+    anchors, head = torch.randint(0, v, (b, n), generator=gen), torch.randn(v, h, generator=gen)
+    hidden, teacher = torch.randn(b, n, s, h, generator=gen), torch.randn(b, n, s, h, generator=gen)
+    sel = CandidateSelector(h, v, rank=4, top_k=8)
+    with torch.no_grad():
+        sel.successor_codebook.normal_(generator=gen)
+    count = int((labels != -100).sum())
+    outs = []
+    for trained in (None, count, count - 1):
+        x = hidden.clone().requires_grad_()
+        out = draft_losses(
+            x,
+            labels,
+            anchors,
+            head,
+            v,
+            slot_weights(s + 1),
+            sel,
+            fused=fused,
+            teacher=teacher,
+            distill=0.5,
+            trained=trained,
+        )
+        grads = torch.autograd.grad(out.ce + out.selector, [x, *sel.parameters()])
+        outs.append((out, grads))
+    (want, want_grads), (got, got_grads), (short, _) = outs
+    assert torch.equal(got.ce, want.ce) and torch.equal(got.selector, want.selector)
+    assert got.counts.keys() == want.counts.keys()
+    assert all(torch.equal(got.counts[key], want.counts[key]) for key in want.counts)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads, strict=True))
+    assert short.counts["total"].sum() == count - 1 != want.counts["total"].sum()
+
+
+def test_the_module_counts_a_batchs_trained_slots_on_the_host(parts):
+    """Before the batch moves, the module adds its count of labelled slots, which the step then uses: the same
+    losses and counts as the step without it."""
+    module, batch = module_for(parts), parts[3]
+    moved = module.on_before_batch_transfer(dict(batch), 0)
+    labels = batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), -100)
+    assert moved["trained_slots"] == int((labels != -100).sum()) > 0 and "trained_slots" not in batch
+    with torch.no_grad():
+        want, got = module.draft_step(batch), module.draft_step(moved)
+    assert torch.equal(got.ce, want.ce) and all(torch.equal(got.counts[k], want.counts[k]) for k in want.counts)
+
+
 def test_accuracy_scores_the_walk_that_decoding_runs():
     """A DFlash2 drafter's acc_k / tau_sim count the selector's pick (what decoding proposes), not the argmax."""
     from dflash2.selector import CandidateSelector

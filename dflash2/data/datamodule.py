@@ -216,6 +216,8 @@ class DFlashDataModule(L.LightningDataModule):
             collate_fn=self.collate,
             num_workers=h.num_workers,
             persistent_workers=h.num_workers > 0,
+            # Pinned, the batch's copy to the GPU (non-blocking in Lightning) does not wait for the step before.
+            pin_memory=self.trainer is not None and self.trainer.strategy.root_device.type == "cuda",
         )
 
     def train_dataloader(self) -> StatefulDataLoader:

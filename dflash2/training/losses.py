@@ -235,6 +235,12 @@ def fused_head(
     return HeadOut(loss, ce, pred, vals, cand, soft)
 
 
+def trained_slots(batch: dict[str, torch.Tensor]) -> int:
+    """How many block slots of a batch have a label (`draft_losses`' `trained`), read where the batch is: on the
+    host before it moves to the device, this costs no device sync."""
+    return int(((batch["labels"] != IGNORE) & batch["anchor_valid"].bool().unsqueeze(-1)).sum())
+
+
 def draft_losses(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -249,6 +255,7 @@ def draft_losses(
     compiled: bool = False,
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
+    trained: int | None = None,
 ) -> DraftLosses:
     """Losses of the proposing slots.
 
@@ -256,7 +263,9 @@ def draft_losses(
     the token at anchor + k (IGNORE where it is not trained); anchor_ids [b, n]; weights [B-1]. `fused` runs the
     head through `fused_head` (chunks of `chunk_rows`, `compiled` by torch.compile), else through `plain_head`.
     teacher [b, n, B-1, H]: the target's final hidden state at anchor + k - 1 for slot k, whose softmax under the
-    head is mixed into slot k's target with weight `distill` (module docstring).
+    head is mixed into slot k's target with weight `distill` (module docstring). `trained`: the count of labels
+    that are not IGNORE, when the caller knows it without reading the device (`trained_slots` of the batch on the
+    host); the trained rows are then gathered without the device sync of a boolean index.
     """
     if distill > 0 and teacher is None:
         raise ValueError(f"distill={distill} needs the teacher: the target's final hidden states of the slots")
@@ -266,8 +275,14 @@ def draft_losses(
     previous = torch.cat([anchor_ids.unsqueeze(-1), labels[..., :-1]], dim=-1)
     slot = torch.arange(slots, device=labels.device).expand_as(labels)
 
-    h, y, k, prev = hidden[valid], labels[valid], slot[valid], previous[valid]
-    t = teacher[valid] if teacher is not None else None
+    if trained is None:
+        h, y, k, prev = hidden[valid], labels[valid], slot[valid], previous[valid]
+        t = teacher[valid] if teacher is not None else None
+    else:  # the same rows in the same order: the trained ones sort first, stably, and their count is known
+        rows = torch.argsort((~valid).flatten().to(torch.int8), stable=True)[:trained]
+        y, k, prev = (x.flatten()[rows] for x in (labels, slot, previous))
+        h = hidden.flatten(0, 2)[rows]
+        t = teacher.flatten(0, 2)[rows] if teacher is not None else None
     w = weights.to(h.device)[k]
     top_k = selector.top_k if selector is not None else 0
     w_sum = w.sum()

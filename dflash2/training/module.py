@@ -21,7 +21,14 @@ from dflash2.data.anchors import teacher_positions
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_training_knobs
-from dflash2.training.losses import draft_losses, metric_tensors, selector_alpha, slot_weights, summarise
+from dflash2.training.losses import (
+    draft_losses,
+    metric_tensors,
+    selector_alpha,
+    slot_weights,
+    summarise,
+    trained_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +165,11 @@ class DFlash2Module(L.LightningModule):
             hidden = self.draft(block_embeds, batch["block_positions"], context, context_positions, mask)
         return hidden.view(b, n, cfg.block_size, -1)[:, :, 1:]
 
+    def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
+        # Counted here, on the host: on the device, selecting the trained rows by a boolean index would stall the
+        # host every step until the GPU caught up, so it could never queue a step ahead.
+        return batch | {"trained_slots": trained_slots(batch)}
+
     def draft_step(self, batch: dict[str, torch.Tensor]):
         """Teacher-forced pass over the batch's blocks -> DraftLosses."""
         cfg = self.draft.config
@@ -185,6 +197,7 @@ class DFlash2Module(L.LightningModule):
                 compiled=self.compiled,
                 teacher=teacher,
                 distill=self.hparams.distill,
+                trained=batch.get("trained_slots"),
             )
 
     def current_selector_alpha(self) -> float:
