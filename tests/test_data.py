@@ -473,6 +473,31 @@ def test_batches_are_consistent(tokenizer, tmp_path, cache):
     assert (diff == 1).all()
 
 
+def test_every_reply_to_a_held_out_prompt_is_held_out(tokenizer, tmp_path, cache):
+    """Two regenerations of each prompt, concatenated (same ids): no held-out id trains, the validation set is one
+    reply per held-out id; with unique ids the split is `train_test_split`'s, as before."""
+    import datasets
+
+    from dflash2.data.datamodule import split_by_id
+
+    rng = random.Random()
+    records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 3))} for i in range(12)]
+    again = [{"id": r["id"], "messages": random_chat(rng, turns=2)} for r in records]
+    dm = make_module(tokenizer, write_jsonl(tmp_path / "chats.jsonl", records + again), cache, val_size=3)
+    dm.setup("fit")
+    val_ids, train_ids = list(dm.val_rows["id"]), list(dm.train_rows["id"])
+    assert len(val_ids) == len(set(val_ids)) == 3 and not set(val_ids) & set(train_ids)
+    assert sorted(train_ids) == sorted(2 * [r["id"] for r in records if r["id"] not in val_ids])
+
+    unique = datasets.Dataset.from_dict({"id": [f"u{i}" for i in range(20)], "x": list(range(20))})
+    seed = rng.randrange(1000)
+    train, val = split_by_id(unique, 5, seed)
+    want = unique.train_test_split(test_size=5, seed=seed, shuffle=True)
+    assert train["x"] == want["train"]["x"] and val["x"] == want["test"]["x"]
+    with pytest.raises(ValueError, match="data.val_size"):
+        split_by_id(datasets.Dataset.from_dict({"id": ["a", "a", "b"], "x": [0, 1, 2]}), 2, seed)
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_drop_last_drops_the_short_training_batch_only(tokenizer, tmp_path, cache, drop_last):
     rng = random.Random()
@@ -515,7 +540,9 @@ def test_cached_preparation_and_source_log(tokenizer, tmp_path, cache, caplog):
     assert dm.train_rows["input_ids"] == again.train_rows["input_ids"]
     assert all(f["filename"].startswith(cache) for f in again.train_rows.cache_files)
 
-    records = [{"id": "r", "regenerated_by": "smollm2", "messages": random_chat(random.Random(), 2)}] * 6
+    records = [
+        {"id": f"r{i}", "regenerated_by": "smollm2", "messages": random_chat(random.Random(), 2)} for i in range(6)
+    ]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dflash2.data"):
         make_module(tokenizer, write_jsonl(tmp_path / "regen.jsonl", records), cache, val_size=1).setup("fit")

@@ -86,6 +86,27 @@ class BlockCollator:
         }
 
 
+def split_by_id(rows: datasets.Dataset, val: int, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, validation): `val` conversations held out by their id, and with them every other row of that id, so
+    that several replies to one prompt (regenerations with sampling, concatenated) never straddle the split. The
+    validation rows are each held-out id's first. With unique ids this is `train_test_split(test_size=val, seed)`."""
+    ids = rows["id"]
+    first: dict[str, int] = {}
+    for i, rid in enumerate(ids):
+        first.setdefault(rid, i)
+    if not 0 < val < len(first):
+        raise ValueError(
+            f"data.val_size: {val} held-out chats leave none to train on, as the split is by conversation id and "
+            f"the data has {len(first)} distinct ids; lower data.val_size or give the records their own ids"
+        )
+    if len(first) == len(rows):
+        split = rows.train_test_split(test_size=val, seed=seed, shuffle=True)
+        return split["train"], split["test"]
+    held = rows.select(list(first.values())).train_test_split(test_size=val, seed=seed, shuffle=True)["test"]
+    out = set(held["id"])
+    return rows.select([i for i, rid in enumerate(ids) if rid not in out]), held
+
+
 def check_pad_to_multiple_of(value: object) -> None:
     """`data.pad_to_multiple_of` must be an integer >= 1 (1 = no rounding)."""
     if not isinstance(value, int) or value < 1:
@@ -201,8 +222,7 @@ class DFlashDataModule(L.LightningDataModule):
         val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)
         if not 0 < val < len(rows):
             raise ValueError(f"val_size={h.val_size} leaves no training or no validation rows out of {len(rows)}")
-        split = rows.train_test_split(test_size=val, seed=h.seed, shuffle=True)
-        self.train_rows, self.val_rows = split["train"], split["test"]
+        self.train_rows, self.val_rows = split_by_id(rows, val, h.seed)
         log.info("%d training and %d validation chats", len(self.train_rows), len(self.val_rows))
 
     def _loader(self, rows: datasets.Dataset, train: bool) -> StatefulDataLoader:
