@@ -96,8 +96,9 @@ def split_by_id(rows: datasets.Dataset, val: int, seed: int) -> tuple[datasets.D
         first.setdefault(rid, i)
     if not 0 < val < len(first):
         raise ValueError(
-            f"data.val_size: {val} held-out chats leave none to train on, as the split is by conversation id and "
-            f"the data has {len(first)} distinct ids; lower data.val_size or give the records their own ids"
+            f"data.val_size: {val} held-out chats leave no training or no validation chats among the data's "
+            f"{len(first)} distinct ids (the split is by conversation id); lower data.val_size, or give the records "
+            "their own ids"
         )
     if len(first) == len(rows):
         split = rows.train_test_split(test_size=val, seed=seed, shuffle=True)
@@ -220,8 +221,6 @@ class DFlashDataModule(L.LightningDataModule):
         h = self.hparams
         rows = self._prepared if self._prepared is not None else self._rows()
         val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)
-        if not 0 < val < len(rows):
-            raise ValueError(f"val_size={h.val_size} leaves no training or no validation rows out of {len(rows)}")
         self.train_rows, self.val_rows = split_by_id(rows, val, h.seed)
         log.info("%d training and %d validation chats", len(self.train_rows), len(self.val_rows))
 

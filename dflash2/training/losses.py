@@ -235,10 +235,15 @@ def fused_head(
     return HeadOut(loss, ce, pred, vals, cand, soft)
 
 
+def block_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The labels `draft_losses` trains on: the batch's, IGNORE in every slot of a padding block."""
+    return batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), IGNORE)
+
+
 def trained_slots(batch: dict[str, torch.Tensor]) -> int:
-    """How many block slots of a batch have a label (`draft_losses`' `trained`), read where the batch is: on the
-    host before it moves to the device, this costs no device sync."""
-    return int(((batch["labels"] != IGNORE) & batch["anchor_valid"].bool().unsqueeze(-1)).sum())
+    """How many of `block_targets` are not IGNORE (`draft_losses`' `trained`), read where the batch is: on the host
+    before it moves to the device, this costs no device sync."""
+    return int((block_targets(batch) != IGNORE).sum())
 
 
 def draft_losses(

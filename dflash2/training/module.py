@@ -22,6 +22,7 @@ from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_training_knobs
 from dflash2.training.losses import (
+    block_targets,
     draft_losses,
     metric_tensors,
     selector_alpha,
@@ -176,7 +177,7 @@ class DFlash2Module(L.LightningModule):
         b, n = batch["anchors"].shape
         target = self.target_pass(batch)
         hidden = self.block_hidden(batch, target.hidden)
-        labels = batch["labels"].masked_fill(~batch["anchor_valid"].bool().unsqueeze(-1), -100)
+        labels = block_targets(batch)
         anchor_ids = batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0]
         teacher = None
         if target.final_hidden is not None:  # slot k learns the target's distribution at anchor + k - 1
