@@ -20,6 +20,7 @@ import functools
 import json
 import pathlib
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -28,6 +29,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflash2.data.anchors import flex_block_mask, sample_anchors
 from dflash2.timing import print_table
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from train_throughput import synthetic_loss_mask  # noqa: E402
 
 CONFIGS: list[dict[str, Any]] = [
     {},
@@ -43,8 +47,7 @@ def training_blocks(rows: int, length: int, anchors: int, seed: int) -> torch.Te
     """[rows, anchors] anchors drawn as train_throughput.py's synthetic batch draws them (`sample_anchors`, the first
     eighth of each row an untrained prompt)."""
     gen = torch.Generator().manual_seed(seed)
-    loss_mask = torch.ones(length, dtype=torch.long)
-    loss_mask[: length // 8] = 0
+    loss_mask = synthetic_loss_mask(length)
     return torch.stack([sample_anchors(loss_mask, anchors, gen) for _ in range(rows)])
 
 

@@ -120,6 +120,13 @@ def build_module(target: TargetModel, cfg: DictConfig) -> DFlash2Module:
     return build_train_module(target, cfg, draft_config_for(target, cfg.model, cfg.draft))
 
 
+def synthetic_loss_mask(length: int) -> torch.Tensor:
+    """A synthetic row's loss mask: its first eighth an untrained prompt, the rest a trained reply."""
+    loss_mask = torch.ones(length, dtype=torch.long)
+    loss_mask[: length // 8] = 0
+    return loss_mask
+
+
 def synthetic_batch(cfg: DictConfig, draft: DFlash2Config, vocab: int, pad_token_id: int) -> dict[str, torch.Tensor]:
     """A batch from the data module's own collator: full-length rows, an untrained prompt, then the reply."""
     from dflash2.data.anchors import sample_anchors
@@ -129,8 +136,7 @@ def synthetic_batch(cfg: DictConfig, draft: DFlash2Config, vocab: int, pad_token
     length = int(cfg.data.max_length)
     rows = []
     for _ in range(int(cfg.data.batch_size)):
-        loss_mask = torch.ones(length, dtype=torch.long)
-        loss_mask[: length // 8] = 0
+        loss_mask = synthetic_loss_mask(length)
         anchors = sample_anchors(loss_mask, int(cfg.data.max_anchors), generator)
         input_ids = torch.randint(0, vocab, (length,), generator=generator)
         rows.append({"input_ids": input_ids, "loss_mask": loss_mask, "anchors": anchors})
