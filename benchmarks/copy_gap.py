@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.out:
         args.out.write_text(json.dumps({"lookup": vars(lookup), "runs": rows}, indent=2) + "\n")
     keys = ["tau", "copyable_share", "tau_copyable", "tau_other", "lookup_tau_copyable"]
-    print(f"{'bench':<10} {'draft':<8} " + " ".join(f"{k:>19}" for k in keys))
+    print(f"{'bench':<10} {'draft':<8} {'block':>5} " + " ".join(f"{k:>19}" for k in keys))
     for r in rows:
         cells = (f"{r[k]:>19.3f}" if r[k] is not None else f"{'-':>19}" for k in keys)
-        print(f"{r['bench']:<10} {r['draft']:<8} " + " ".join(cells))
+        print(f"{r['bench']:<10} {r['draft']:<8} {r['block_size']:>5} " + " ".join(cells))
     return rows
 
 

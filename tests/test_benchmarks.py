@@ -272,6 +272,47 @@ def test_copy_gap_splits_a_drafters_steps_by_what_lookup_gets_there(tmp_path):
     assert copy_gap.main([str(tmp_path)]) == []
 
 
+# ---------------------------------------------------------------------------------------------- bench_tau_sim.py
+def test_bench_tau_sim_rebuilds_each_chat_from_the_samples(tmp_path, monkeypatch):
+    """A two-turn prompt whose samples come out of order, and a one-turn one cut at max_new_tokens: each chat holds
+    the bench's user turns and the decoded replies in turn order, and only the cut reply is marked truncated."""
+    bench_tau_sim = load("bench_tau_sim")
+    rng = random.Random()
+    budget = rng.randint(4, 9)
+    prompts = [{"id": "a", "turns": ["first?", "second?"]}, {"id": "b", "turns": ["only?"]}]
+    monkeypatch.setattr(bench_tau_sim, "load_prompts", lambda name: prompts)
+    outputs = {("a", 0): rng.sample(range(50), budget - 1), ("a", 1): rng.sample(range(50), 2)}
+    outputs[("b", 0)] = rng.sample(range(50), budget)
+    samples = [{"id": i, "turn": t, "output_ids": o} for (i, t), o in outputs.items()]
+    rng.shuffle(samples)
+    run = tmp_path / "run"
+    run.mkdir()
+    results = {"temperature": 0.0, "bench": "hand", "max_new_tokens": budget}
+    (run / "results.json").write_text(json.dumps(results))
+    (run / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    got, chats = bench_tau_sim.bench_chats(run, Tokenizer())
+    assert got == results
+    by_id = {c["id"]: c["messages"] for c in chats}
+    text = {k: " ".join(map(str, v)) for k, v in outputs.items()}
+    assert by_id["a"] == [
+        {"role": "user", "content": "first?"},
+        {"role": "assistant", "content": text[("a", 0)]},
+        {"role": "user", "content": "second?"},
+        {"role": "assistant", "content": text[("a", 1)]},
+    ]
+    assert by_id["b"] == [
+        {"role": "user", "content": "only?"},
+        {"role": "assistant", "content": text[("b", 0)], "truncated": True},
+    ]
+    (run / "results.json").write_text(json.dumps(results | {"temperature": 1.0}))
+    assert bench_tau_sim.bench_chats(run, Tokenizer()) is None  # sampled text is not the target's greedy text
+
+
 # ---------------------------------------------------------------------------------------------- ablation.py
 def test_ablation_table_reads_the_last_validation_and_the_measured_tau(tmp_path):
     """A work dir as ablation.sh leaves it, with fresh random numbers: a run resumed once (two CSV versions), one never
