@@ -33,15 +33,16 @@ def taus(summary: pd.DataFrame) -> dict[str, dict[str, float]]:
     return out
 
 
-def training(log: Path, batch_size: int) -> dict[str, Any]:
-    """Steps, minutes and epochs from a train.py log (its summary and its data lines)."""
+def training(log: Path, batch_size: int | None) -> dict[str, Any]:
+    """Steps, minutes and epochs from a train.py log (its summary and its data lines); no epochs without the run's
+    batch size."""
     text = log.read_text()
     steps = re.findall(r"steps\s+(\d+) in ([0-9.]+) min", text)
     chats = re.findall(r"(\d+) training and \d+ validation chats", text)
     out: dict[str, Any] = {"log": str(log)}
     if steps:
         out["steps"], out["minutes"] = int(steps[-1][0]), float(steps[-1][1])
-        if chats:
+        if chats and batch_size:
             out["epochs"] = out["steps"] * batch_size / int(chats[-1])
     return out
 
@@ -68,8 +69,9 @@ def build(work: Path, drafters: list[str]) -> dict[str, Any]:
     runs = {}
     for name in drafters:
         log, record = work / f"train.{name}.log", work / "runs" / name / ".hydra"
-        batch_size = OmegaConf.load(record / "config.yaml").data.batch_size if (record / "config.yaml").is_file() else 4
-        runs[name] = training(log, int(batch_size)) if log.is_file() else {}
+        config = record / "config.yaml"
+        batch_size = int(OmegaConf.load(config).data.batch_size) if config.is_file() else None
+        runs[name] = training(log, batch_size) if log.is_file() else {}
         overrides = record / "overrides.yaml"
         if overrides.is_file():
             runs[name]["command"] = "python train.py " + " ".join(

@@ -216,6 +216,9 @@ def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     run = result["training"]["dflash2"]
     assert run["steps"] == steps and run["minutes"] == 12.5 and run["epochs"] == pytest.approx(steps * batch / chats)
     assert run["command"] == "python train.py experiment=gpu_smollm2 a=1" and result["training"]["dflash"] == {}
+    (tmp_path / "runs" / "dflash2" / ".hydra" / "config.yaml").unlink()  # its batch size unknown: no epochs
+    run = load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash2"])["training"]["dflash2"]
+    assert run["steps"] == steps and "epochs" not in run
     ratio = want["gsm8k"]["dflash2"] / want["gsm8k"]["pld"]
     assert result["goals"]["dflash2_over_pld"]["gsm8k"] == pytest.approx(ratio)
     assert result["goals"]["gsm8k_1.5x_pld"] == (ratio >= 1.5)
