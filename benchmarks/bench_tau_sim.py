@@ -61,14 +61,16 @@ def bench_chats(run_dir: Path, tokenizer: Any) -> tuple[dict[str, Any], list[dic
     return results, chats
 
 
-def validate(module: Any, chats: list[dict[str, Any]], tokenizer: Any, max_anchors: int, work: Path) -> dict:
+def validate(
+    module: Any, chats: list[dict[str, Any]], tokenizer: Any, max_length: int, max_anchors: int, work: Path
+) -> dict[str, float]:
     """The module's validation metrics on `chats`, with the training's rendering, anchors and blocks."""
     import lightning as L
 
     path = work / "chats.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in chats))
     rows = tokenize_conversations(
-        load_conversations(str(path)), tokenizer, 3072, f"{path}|{path.stat().st_mtime_ns}", cache_dir=str(work)
+        load_conversations(str(path)), tokenizer, max_length, f"{path}|{path.stat().st_mtime_ns}", cache_dir=str(work)
     )
     cfg = module.draft.config
     collate = BlockCollator(cfg.block_size, cfg.mask_token_id, tokenizer.pad_token_id or 0)
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if results["block_size"] != module.draft.config.block_size:
             continue  # the drafter validates at the block size it trained with
         with tempfile.TemporaryDirectory() as work:
-            sim = validate(module, chats, target.tokenizer, args.max_anchors, Path(work))
+            sim = validate(module, chats, target.tokenizer, cfg.data.max_length, args.max_anchors, Path(work))
         rows.append({"bench": results["bench"], "chats": len(chats), "tau": results["tau"], **sim})
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
