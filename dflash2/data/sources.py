@@ -131,9 +131,7 @@ def build(sources: Iterable[str], output: str | os.PathLike, cache_dir: str | No
         kept += apart
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in kept), encoding="utf-8")
-    os.replace(tmp, output)
+    bench.write_atomic(output, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in kept).encode())
     return len(kept)
 
 
