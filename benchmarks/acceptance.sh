@@ -16,7 +16,8 @@
 # 16,8), BENCHES (the grid's benches in ';'-separated groups, one sweep each, default
 # gsm8k,humaneval,math500,sharegpt;mbpp,mtbench,alpaca), DRAFTERS (the drafters trained, swept and timed, default
 # dflash,dflash2,dflash2_warm; the warm start trains dflash too, its init), CHECK_ONLY=1 (tiny sizes for a CPU
-# rehearsal of the plumbing), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the
+# rehearsal of the plumbing), EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated, e.g.
+# the regenerated replies to `python -m dflash2.data.sources` prompts; validation stays ShareGPT's), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the
 # grid or later, it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
@@ -38,6 +39,7 @@ mkdir -p "$W" && rm -f "$W/failed"
 regen_args=(model.dtype=bfloat16 cache_implementation=static batch_size=512)
 DRAFTERS=${DRAFTERS:-dflash,dflash2,dflash2_warm}
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false)
+if [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
 eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
   regen_args=(max_new_tokens=8 batch_size=8) STEPS=4 VAL=2 LIMIT=${LIMIT_CHECK:-48}

@@ -562,3 +562,22 @@ def test_data_configs_instantiate(tokenizer, tmp_path, option):
     dm = instantiate(cfg.data, tokenizer=tokenizer, block_size=cfg.model.block_size, _recursive_=False)
     assert isinstance(dm, DFlashDataModule)
     assert dm.hparams.mask_token_id == cfg.model.mask_token_id and dm.hparams.seed == cfg.seed
+
+
+def test_extra_paths_train_only_and_leave_validation_as_it_was(tokenizer, tmp_path, cache):
+    """`extra_paths` rows join training only: the validation chats are those of `path` alone, and an extra row that
+    shares a held-out id is not trained on."""
+    rng = random.Random()
+    records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 3))} for i in range(12)]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    alone = make_module(tokenizer, path, cache, val_size=3)
+    alone.setup("fit")
+    held = list(alone.val_rows["id"])
+    extra = [{"id": f"x{i}", "messages": random_chat(rng, turns=1)} for i in range(5)]
+    extra.append({"id": held[0], "messages": random_chat(rng, turns=1)})
+    dm = make_module(tokenizer, path, cache, val_size=3, extra_paths=[write_jsonl(tmp_path / "extra.jsonl", extra)])
+    dm.prepare_data()
+    dm.setup("fit")
+    assert list(dm.val_rows["id"]) == held
+    assert list(dm.val_rows["input_ids"]) == list(alone.val_rows["input_ids"])
+    assert sorted(dm.train_rows["id"]) == sorted(list(alone.train_rows["id"]) + [f"x{i}" for i in range(5)])

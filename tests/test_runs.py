@@ -214,13 +214,18 @@ def test_unavailable_target_fails_fast_in_one_sentence(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "path, error", [("???", "set data.path=..."), ("missing.jsonl", "data.path='.*missing.jsonl'")]
+    "override, error",
+    [
+        ("data.path=???", "set data.path=..."),
+        ("data.path={tmp}/missing.jsonl", "data.path='.*missing.jsonl'"),
+        ("data.extra_paths=[{tmp}/missing.jsonl]", "data.extra_paths: '.*missing.jsonl'"),
+    ],
 )
-def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatch, path, error):
+def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
     from dflash2.target import TargetModel
 
     monkeypatch.setattr(TargetModel, "from_config", lambda *a, **k: pytest.fail("the target loaded first"))
-    cfg = config(chats, tmp_path, f"data.path={path if path == '???' else tmp_path / path}")
+    cfg = config(chats, tmp_path, override.format(tmp=tmp_path))
     with pytest.raises((ValueError, FileNotFoundError), match=error):
         train(cfg)
 

@@ -154,6 +154,7 @@ class DFlashDataModule(L.LightningDataModule):
         name: str | None = None,
         pad_to_multiple_of: int = 1,
         drop_last: bool = False,
+        extra_paths: list[str] | tuple[str, ...] = (),
     ):
         super().__init__()
         if block_size < 2:
@@ -171,18 +172,23 @@ class DFlashDataModule(L.LightningDataModule):
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = tokenizer
         self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0, pad_to_multiple_of)
-        self._prepared: datasets.Dataset | None = None
+        self._prepared: tuple[datasets.Dataset, list[datasets.Dataset]] | None = None
         self.train_rows: datasets.Dataset | None = None
         self.val_rows: datasets.Dataset | None = None
         self._train_loader: StatefulDataLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None
 
-    def _rows(self) -> datasets.Dataset:
+    def _rows(self) -> tuple[datasets.Dataset, list[datasets.Dataset]]:
+        """The rows of `path` (split into training and validation) and of each `extra_paths` file (training only)."""
         h = self.hparams
-        source = sharegpt_path() if h.path is None else os.path.abspath(h.path)
-        conversations = load_conversations(h.path, h.limit)
+        return self._tokenized(h.path, h.limit), [self._tokenized(p, None) for p in h.extra_paths]
+
+    def _tokenized(self, path: str | None, limit: int | None) -> datasets.Dataset:
+        h = self.hparams
+        source = sharegpt_path() if path is None else os.path.abspath(path)
+        conversations = load_conversations(path, limit)
         stat = os.stat(source)
-        source_key = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|limit={h.limit}|n={len(conversations)}"
+        source_key = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|limit={limit}|n={len(conversations)}"
         rows = tokenize_conversations(conversations, self.tokenizer, h.max_length, source_key, h.num_proc, h.cache_dir)
         dropped = len(conversations) - len(rows)
         log.info(
@@ -219,9 +225,14 @@ class DFlashDataModule(L.LightningDataModule):
         if self.train_rows is not None:
             return
         h = self.hparams
-        rows = self._prepared if self._prepared is not None else self._rows()
+        rows, extras = self._prepared if self._prepared is not None else self._rows()
         val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)
+        # The split is `path`'s alone, so adding training files leaves the validation chats as they were.
         self.train_rows, self.val_rows = split_by_id(rows, val, h.seed)
+        if extras:
+            held = set(self.val_rows["id"])
+            extras = [e.select([i for i, rid in enumerate(e["id"]) if rid not in held]) for e in extras]
+            self.train_rows = datasets.concatenate_datasets([self.train_rows, *extras])
         log.info("%d training and %d validation chats", len(self.train_rows), len(self.val_rows))
 
     def _loader(self, rows: datasets.Dataset, train: bool) -> StatefulDataLoader:

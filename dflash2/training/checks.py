@@ -108,6 +108,12 @@ def check_config(cfg: DictConfig) -> None:
     path = cfg.data.get("path")
     if path and not Path(path).expanduser().is_file():
         raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
+    for extra in cfg.data.get("extra_paths") or ():
+        if not Path(extra).expanduser().is_file():
+            raise FileNotFoundError(
+                f"data.extra_paths: {extra!r} does not exist; list JSON/JSONL files of chats, e.g. "
+                "data.extra_paths=[data/regenerated/math_codeio.jsonl]"
+            )
     check_training_knobs(cfg.draft, cfg.trainer.get("strategy"))
     compile_mode(cfg.model.get("compile"))
     from dflash2.data.datamodule import check_drop_last, check_pad_to_multiple_of
@@ -119,16 +125,17 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_data(cfg: DictConfig) -> None:
-    """Read a data file (`data.path`) through, so that a malformed record fails before the run has a folder. The
-    packaged ShareGPT is not re-read: it is the package's, and the run reads it right after."""
+    """Read the data files (`data.path`, `data.extra_paths`) through, so that a malformed record fails before the run
+    has a folder. The packaged ShareGPT is not re-read: it is the package's, and the run reads it right after."""
     from dflash2.data.chat import load_conversations
 
-    if not cfg.data.get("path"):
-        return
     quiet = logging.root.manager.disable
-    logging.disable(logging.INFO)  # the run reads the file again and logs its counts, into train.log this time
+    logging.disable(logging.INFO)  # the run reads the files again and logs their counts, into train.log this time
     try:
-        load_conversations(cfg.data.path, cfg.data.get("limit"))
+        if cfg.data.get("path"):
+            load_conversations(cfg.data.path, cfg.data.get("limit"))
+        for extra in cfg.data.get("extra_paths") or ():
+            load_conversations(extra)
     finally:
         logging.disable(quiet)
 
