@@ -124,7 +124,9 @@ def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
 def build_data(cfg: DictConfig, target: Any, draft_config: DFlash2Config) -> Any:
     from hydra.utils import instantiate
 
-    return instantiate(cfg.data, tokenizer=target.tokenizer, block_size=draft_config.block_size, _recursive_=False)
+    return instantiate(
+        cfg.data, tokenizer=target.tokenizer, block_size=draft_config.block_size, _recursive_=False, _convert_="all"
+    )
 
 
 def build_module(
