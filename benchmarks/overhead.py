@@ -288,10 +288,11 @@ def draft_step(draft: DFlash2DraftModel, target: VerifyDecoder, x: DraftInputs) 
 def conv_sites(draft: DFlash2DraftModel, x: torch.Tensor) -> torch.Tensor:
     """Both convolutions of every layer, prepare then finish, as DecoderLayer runs them around its sublayers (a
     sublayer's output has the shape of its input, so the prepared input stands in for it)."""
+    b = draft.config.block_size
     for layer in draft.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
-            y, coeffs = conv.prepare(x)
-            x = conv.finish(y, coeffs)
+            y, coeffs = conv.prepare(x, b)
+            x = conv.finish(y, coeffs, b)
     return x
 
 

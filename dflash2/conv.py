@@ -16,16 +16,9 @@ class DFlashGroupedConv(nn.Module):
     computed from the sublayer's input.
     """
 
-    def __init__(self, hidden_size: int, block_size: int, taps: int, group_size: int) -> None:
+    def __init__(self, hidden_size: int, taps: int, group_size: int) -> None:
         super().__init__()
-        if hidden_size % group_size:
-            raise ValueError(f"conv_group_size {group_size} does not divide hidden_size {hidden_size}")
-        self.hidden_size, self.block_size, self.taps, self.group_size = (
-            hidden_size,
-            block_size,
-            taps,
-            group_size,
-        )
+        self.hidden_size, self.taps, self.group_size = hidden_size, taps, group_size
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
@@ -38,25 +31,23 @@ class DFlashGroupedConv(nn.Module):
             self.base_kernel[:, 0].fill_(1.0)
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., tokens, H] -> (convolved x, side-1 coefficients for `finish`)."""
+    def prepare(self, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., tokens, H], tokens in whole blocks of `block_size` -> (convolved x, side-1 coefficients for
+        `finish`). The block size is the caller's, per call: engines pick B at run time."""
         flat = x.reshape(-1, self.hidden_size)
-        self._check(flat)
+        if flat.shape[0] % block_size:
+            raise ValueError(
+                f"{flat.shape[0]} tokens is not a whole number of blocks of {block_size}; "
+                "the convolution needs block-aligned tokens"
+            )
         delta = self.kernel_projection(flat).view(-1, 2, self.taps, self.groups)
-        y = kernels.grouped_conv(flat, delta[:, 0], self.base_kernel[0], self.block_size, self.group_size)
+        y = kernels.grouped_conv(flat, delta[:, 0], self.base_kernel[0], block_size, self.group_size)
         return y.view_as(x), delta[:, 1]
 
-    def finish(self, x: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, coeffs: torch.Tensor, block_size: int) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden_size)
-        y = kernels.grouped_conv(flat, coeffs, self.base_kernel[1], self.block_size, self.group_size)
+        y = kernels.grouped_conv(flat, coeffs, self.base_kernel[1], block_size, self.group_size)
         return y.view_as(x)
 
-    def _check(self, flat: torch.Tensor) -> None:
-        if flat.shape[0] % self.block_size:
-            raise ValueError(
-                f"{flat.shape[0]} tokens is not a whole number of blocks of {self.block_size}; "
-                "the convolution needs block-aligned tokens (call set_block_size to change B)"
-            )
-
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden_size}, block={self.block_size}, taps={self.taps}, group={self.group_size}"
+        return f"hidden={self.hidden_size}, taps={self.taps}, group={self.group_size}"

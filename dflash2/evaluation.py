@@ -262,7 +262,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         use_selector = bool(cfg.draft.selector) and draft.candidate_selector is not None
         if cfg.draft.selector and draft.candidate_selector is None:
             log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
-    described = describe_draft(cfg, draft, use_selector, block_size)  # before decoding sets the block size
+    described = describe_draft(cfg, draft, use_selector, block_size)
     prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
     if not prompts:
         raise ValueError(f"bench {cfg.bench.name!r} with limit={cfg.bench.get('limit')} has no prompts")

@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.attention_conv = self.mlp_conv = None
         if cfg.use_conv:
-            args = (cfg.hidden_size, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.attention_conv, self.mlp_conv = DFlashGroupedConv(*args), DFlashGroupedConv(*args)
 
     def forward(
@@ -186,6 +186,7 @@ class DecoderLayer(nn.Module):
         rope_c: tuple | None,
         mask: Mask,
         cache: DraftCache | None,
+        block_size: int,
     ) -> torch.Tensor:
         if isinstance(mask, dict):
             mask = mask[self.layer_type]
@@ -193,10 +194,10 @@ class DecoderLayer(nn.Module):
         if self.attention_conv is None:
             h = h + self.self_attn(x, ctx, rope_q, rope_c, mask, cache)
             return h + self.mlp(self.post_attention_layernorm(h))
-        x, k_a = self.attention_conv.prepare(x)
-        h = h + self.attention_conv.finish(self.self_attn(x, ctx, rope_q, rope_c, mask, cache), k_a)
-        x, k_m = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp(x), k_m)
+        x, k_a = self.attention_conv.prepare(x, block_size)
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx, rope_q, rope_c, mask, cache), k_a, block_size)
+        x, k_m = self.mlp_conv.prepare(self.post_attention_layernorm(h), block_size)
+        return h + self.mlp_conv.finish(self.mlp(x), k_m, block_size)
 
 
 class DFlash2DraftModel(nn.Module):
@@ -220,16 +221,6 @@ class DFlash2DraftModel(nn.Module):
                 config.final_logit_softcapping,
             )
 
-    def set_block_size(self, block_size: int) -> None:
-        """Engines pick B at run time; only the convolution (block-local taps) depends on it."""
-        if block_size < 2:
-            raise ValueError(f"block_size {block_size}: a block needs the anchor plus at least one slot")
-        self.config.block_size = block_size
-        for layer in self.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                if conv is not None:
-                    conv.block_size = block_size
-
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """Concatenated target features [b, c, n*H] -> one context vector per token [b, c, H]."""
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
@@ -242,13 +233,19 @@ class DFlash2DraftModel(nn.Module):
         context_positions: torch.Tensor | None = None,
         attention_mask: Mask = None,
         cache: DraftCache | None = None,
+        block_size: int | None = None,
     ) -> torch.Tensor:
-        """Blocks [b, n*B, H] at absolute positions -> norm(h) [b, n*B, H]; rows 1..B-1 of a block propose."""
+        """Blocks [b, n*B, H] at absolute positions -> norm(h) [b, n*B, H]; rows 1..B-1 of a block propose.
+        `block_size` is B for this call (engines pick it at run time); None = the one the drafter was trained with.
+        Only the convolution's block-local taps depend on it."""
+        block_size = self.config.block_size if block_size is None else block_size
+        if block_size < 2:
+            raise ValueError(f"block_size {block_size}: a block needs the anchor plus at least one slot")
         h = block_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary(block_positions)
         rope_c = self.rotary(context_positions) if context is not None else None
         for layer in self.layers:
-            h = layer(h, context, rope_q, rope_c, attention_mask, cache)
+            h = layer(h, context, rope_q, rope_c, attention_mask, cache, block_size)
         return self.norm(h)
 
     # ------------------------------------------------------------------ checkpoints in the contract layout

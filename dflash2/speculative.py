@@ -315,6 +315,7 @@ class Drafter:
             rows.positions[:, -c:],
             attention_mask=draft_mask(draft, rows, block_positions.shape[1]),
             cache=draft_cache,
+            block_size=block_positions.shape[1],
         )
         return propose(
             draft,
@@ -351,9 +352,9 @@ def speculative_generate(
     `draft` a drafter, or prompt lookup (`use_selector` is then moot)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
+    if block_size < 2:
+        raise ValueError(f"block_size is {block_size}: a block holds the anchor plus at least one proposal (>= 2)")
     if isinstance(draft, DFlash2DraftModel):
-        if draft.config.block_size != block_size:
-            draft.set_block_size(block_size)
         proposer = Drafter(target, draft, use_selector)
     else:
         draft.slots(block_size)  # a block too small for the lookup's num_tokens fails now, not in the first batch

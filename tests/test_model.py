@@ -208,12 +208,12 @@ def test_identity_init_proposes_exactly_what_plain_dflash_proposes(tmp_path):
 def test_conv_follows_the_contract_formula_position_by_position():
     torch.manual_seed(4)
     hidden, block, taps, group = 16, 5, 3, 4
-    conv = DFlashGroupedConv(hidden, block, taps, group)
+    conv = DFlashGroupedConv(hidden, taps, group)
     randomise(conv, 5)
     x = torch.randn(3 * block, hidden)
-    y, k1 = conv.prepare(x)
+    y, k1 = conv.prepare(x, block)
     z = torch.randn_like(x)
-    out = conv.finish(z, k1)
+    out = conv.finish(z, k1, block)
     d = conv.kernel_projection(x).view(-1, 2, taps, hidden // group)
     for side, src, got in ((0, x, y), (1, z, out)):
         for n in range(x.shape[0]):
@@ -226,17 +226,20 @@ def test_conv_follows_the_contract_formula_position_by_position():
                 torch.testing.assert_close(got[n, c], acc, rtol=1e-5, atol=1e-5)
 
 
-def test_set_block_size_moves_the_block_boundaries():
+def test_the_block_size_of_a_call_moves_the_block_boundaries_and_changes_nothing_else():
     model = DFlash2DraftModel(tiny_config(block_size=4))
     randomise(model, 6)
     th, emb, pos, cpos = _inputs(model.config, 7, blocks=2)
     with torch.no_grad():
         a = model(emb, pos, model.fuse(th), cpos)
-        model.set_block_size(8)
-        b = model(emb, pos, model.fuse(th), cpos)
-    assert model.layers[0].mlp_conv.block_size == 8
+        b = model(emb, pos, model.fuse(th), cpos, block_size=8)
+        again = model(emb, pos, model.fuse(th), cpos, block_size=4)
+    assert model.config.block_size == 4  # the call's B is not stored anywhere
+    torch.testing.assert_close(again, a, rtol=0, atol=0)
     # Slots 4..7 are a new block's first slots at B=4 but reach back to slots 0..3 at B=8.
     assert not torch.allclose(a[:, 4:], b[:, 4:])
+    with pytest.raises(ValueError, match="whole number of blocks of 3"):
+        model(emb, pos, model.fuse(th), cpos, block_size=3)
 
 
 def test_cached_context_equals_one_shot_context():

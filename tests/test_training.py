@@ -480,8 +480,8 @@ def test_init_std_draws_the_backbone_and_leaves_the_conv_and_selector_inert(part
     for layer in module.draft.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
             x, z = torch.randn(2, 3 * b, conv.hidden_size), torch.randn(2, 3 * b, conv.hidden_size)
-            y, coeffs = conv.prepare(x)
-            assert torch.equal(y, x) and torch.equal(conv.finish(z, coeffs), z)
+            y, coeffs = conv.prepare(x, b)
+            assert torch.equal(y, x) and torch.equal(conv.finish(z, coeffs, b), z)
     selector = module.draft.candidate_selector
     assert not selector.successor_codebook.any()
     projection = selector.hidden_projection.weight
