@@ -67,7 +67,7 @@ def conv_rows(
         hidden = torch.randn(n, hidden_size, device=device, dtype=torch.bfloat16)
         delta = 0.1 * torch.randn(n, taps, groups, device=device, dtype=torch.bfloat16)
         base = torch.randn(taps, hidden_size, device=device)
-        args = (hidden, delta, base, block_size, group_size)
+        args = (hidden, delta, base, block_size)
         with kernels.backend("triton"):
             out = kernels.grouped_conv(*args)
         torch.testing.assert_close(out, reference(*args), rtol=1.6e-2, atol=1e-2)

@@ -41,12 +41,12 @@ class DFlashGroupedConv(nn.Module):
                 "the convolution needs block-aligned tokens"
             )
         delta = self.kernel_projection(flat).view(-1, 2, self.taps, self.groups)
-        y = kernels.grouped_conv(flat, delta[:, 0], self.base_kernel[0], block_size, self.group_size)
+        y = kernels.grouped_conv(flat, delta[:, 0], self.base_kernel[0], block_size)
         return y.view_as(x), delta[:, 1]
 
     def finish(self, x: torch.Tensor, coeffs: torch.Tensor, block_size: int) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden_size)
-        y = kernels.grouped_conv(flat, coeffs, self.base_kernel[1], block_size, self.group_size)
+        y = kernels.grouped_conv(flat, coeffs, self.base_kernel[1], block_size)
         return y.view_as(x)
 
     def extra_repr(self) -> str:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash2 import kernels
 from dflash2.config import DFlash2Config
+from dflash2.contract import check_block_size
 from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
 from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
@@ -248,6 +249,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     repeats = int(cfg.repeats)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
+    if cfg.get("block_size") is not None:
+        check_block_size(cfg.block_size)  # a drafter's own B is its export's, which the linter checks
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     device = resolve_device(cfg.get("device"))

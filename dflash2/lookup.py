@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash2.contract import check_block_size
+
 if TYPE_CHECKING:
     from dflash2.speculative import Rows
 
@@ -54,8 +56,7 @@ class PromptLookup:
 
     def slots(self, block_size: int) -> int:
         """How many of a block's B - 1 proposing slots the lookup may fill (the rest hold the filler)."""
-        if block_size < 2:
-            raise ValueError(f"block_size={block_size}: a verify block needs the anchor and at least one proposal")
+        check_block_size(block_size)
         if self.num_tokens is not None and self.num_tokens > block_size - 1:
             raise ValueError(
                 f"pld.num_tokens={self.num_tokens} does not fit a block of block_size={block_size} "

@@ -239,8 +239,6 @@ class DFlash2DraftModel(nn.Module):
         `block_size` is B for this call (engines pick it at run time); None = the one the drafter was trained with.
         Only the convolution's block-local taps depend on it."""
         block_size = self.config.block_size if block_size is None else block_size
-        if block_size < 2:
-            raise ValueError(f"block_size {block_size}: a block needs the anchor plus at least one slot")
         h = block_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary(block_positions)
         rope_c = self.rotary(context_positions) if context is not None else None

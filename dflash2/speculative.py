@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from dflash2.contract import check_block_size
 from dflash2.model import DFlash2DraftModel, DraftCache
 from dflash2.selector import head_logits
 
@@ -352,8 +353,7 @@ def speculative_generate(
     `draft` a drafter, or prompt lookup (`use_selector` is then moot)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
-    if block_size < 2:
-        raise ValueError(f"block_size is {block_size}: a block holds the anchor plus at least one proposal (>= 2)")
+    check_block_size(block_size)
     if isinstance(draft, DFlash2DraftModel):
         proposer = Drafter(target, draft, use_selector)
     else:

@@ -175,7 +175,7 @@ def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
         ("pld.max_ngram=0", "pld.max_ngram=0"),
         ("pld.min_ngram=5", "pld.min_ngram=5 is above pld.max_ngram=3"),
         ("pld.num_tokens=16", "pld.num_tokens=16 does not fit a block of block_size=16"),
-        ("block_size=1", "block_size=1"),
+        ("block_size=1", "block_size=1: a block holds the anchor"),
     ],
 )
 def test_prompt_lookup_settings_are_checked_before_loading_a_target(tmp_path, monkeypatch, override, message):

@@ -46,7 +46,7 @@ def conv_inputs(seed, blocks, block_size, hidden_size, group_size, taps, dtype=t
 def test_conv_reference_matches_loop(block_size, taps, group_size):
     hidden, delta, base = conv_inputs(block_size * 10 + taps, 3, block_size, 32, group_size, taps)
     expected = conv_loop(hidden, delta, base, block_size, group_size)
-    got = grouped_conv_reference(hidden, delta, base, block_size, group_size)
+    got = grouped_conv_reference(hidden, delta, base, block_size)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -61,15 +61,15 @@ def test_conv_triton_matches_reference(blocks, block_size, hidden_size, group_si
     if blocks * block_size > 64:
         hidden, delta = hidden[:64], delta[:64]  # keeps the interpreter fast; a ragged last block is fine too
     with kernels.backend("triton"):
-        got = kernels.grouped_conv(*on_device(hidden, delta, base), block_size, group_size)
-    torch.testing.assert_close(got.cpu(), grouped_conv_reference(hidden, delta, base, block_size, group_size))
+        got = kernels.grouped_conv(*on_device(hidden, delta, base), block_size)
+    torch.testing.assert_close(got.cpu(), grouped_conv_reference(hidden, delta, base, block_size))
 
 
 @needs_triton
 def test_conv_triton_bf16_keeps_dtype():
     hidden, delta, base = conv_inputs(7, 4, 8, 64, 16, 2, dtype=torch.bfloat16)
     with kernels.backend("triton"):
-        got = kernels.grouped_conv(*on_device(hidden, delta, base), 8, 16).cpu()
+        got = kernels.grouped_conv(*on_device(hidden, delta, base), 8).cpu()
     assert got.dtype == torch.bfloat16
     expected = conv_loop(hidden, delta, base, 8, 16)
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
@@ -79,7 +79,7 @@ def test_conv_gradcheck():
     hidden, delta, base = conv_inputs(3, 2, 5, 8, 4, 3, dtype=torch.float64)
     inputs = [x.double().requires_grad_() for x in (hidden, delta, base)]
     with kernels.backend("torch"):
-        assert torch.autograd.gradcheck(lambda h, d, b: kernels.grouped_conv(h, d, b, 5, 4), inputs)
+        assert torch.autograd.gradcheck(lambda h, d, b: kernels.grouped_conv(h, d, b, 5), inputs)
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
@@ -89,21 +89,22 @@ def test_conv_grads_match_loop(name):
     hidden, delta, base = conv_inputs(11, 3, 8, 32, 8, 2)
     weight = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(12))
     grads = []
-    for fn, device in ((conv_loop, "cpu"), (kernels.grouped_conv, DEVICE)):
+    for fn, device in ((lambda *x: conv_loop(*x, 8, 8), "cpu"), (lambda *x: kernels.grouped_conv(*x, 8), DEVICE)):
         leaves = [x.clone().to(device).requires_grad_() for x in (hidden, delta, base)]
         with kernels.backend(name):
-            (fn(*leaves, 8, 8) * weight.to(device)).sum().backward()
+            (fn(*leaves) * weight.to(device)).sum().backward()
         grads.append([x.grad.double().cpu() for x in leaves])
     for got, expected in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_conv_rejects_bad_shapes():
-    hidden, delta, base = conv_inputs(0, 2, 8, 32, 8, 2)
-    with pytest.raises(ValueError, match="group_size"):
-        kernels.grouped_conv(hidden, delta, base, 8, 5)
+    hidden, delta, base = conv_inputs(0, 2, 8, 30, 10, 2)  # 3 groups of 10 channels
+    kernels.grouped_conv(hidden, delta[..., :2].contiguous(), base, 8)  # 2 groups of 15 fit too
+    with pytest.raises(ValueError, match="a divisor of 30"):
+        kernels.grouped_conv(hidden, torch.cat([delta, delta[..., :1]], -1), base, 8)  # 4 groups do not divide 30
     with pytest.raises(ValueError, match="delta"):
-        kernels.grouped_conv(hidden, delta[:, :1], base, 8, 8)
+        kernels.grouped_conv(hidden, delta[:, :1], base, 8)
 
 
 # ---------------------------------------------------------------- selector walk
@@ -247,7 +248,7 @@ def test_auto_uses_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(walk_module, "_selector_walk_triton", fail)
     hidden, delta, base = conv_inputs(1, 2, 5, 32, 8, 2)
     with kernels.backend("auto"):
-        kernels.grouped_conv(hidden, delta, base, 5, 8)
+        kernels.grouped_conv(hidden, delta, base, 5)
         kernels.selector_walk(*walk_inputs(1, 2, 5, 4))
 
 

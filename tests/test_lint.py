@@ -272,3 +272,25 @@ def test_instant_on_a_27b_drafter(tmp_path):
     report = lint(folder)
     assert report.ok, report.format()
     assert time.perf_counter() - start < 3.0
+
+
+
+@pytest.mark.parametrize("fault", [f for f, (_, shards, after, _) in FAULTS.items() if shards == 1 and after is None])
+def test_the_config_raises_the_linters_first_config_problem(tmp_path, fault):
+    """One rule book: the linter reports review_config's problems first, and DFlash2Config refuses the same
+    config.json with the first of them, word for word; a fault of the tensors alone leaves the config valid."""
+    from dflash2.config import DFlash2Config
+    from dflash2.contract import review_config
+
+    cfg = copy.deepcopy(fixture_config())
+    tensors = fixture_tensors(cfg)
+    FAULTS[fault][0](cfg, tensors)
+    report = lint(write_folder(tmp_path / "drafter", cfg, tensors))
+    problems = [str(p) for p in review_config(cfg).problems]
+    assert report.problems[: len(problems)] == problems
+    if not problems:
+        assert DFlash2Config.from_dict(cfg).hidden_size == cfg["hidden_size"]
+        return
+    with pytest.raises(ValueError) as refused:
+        DFlash2Config.from_dict(cfg)
+    assert str(refused.value) == problems[0]

@@ -336,7 +336,7 @@ def test_labels_are_the_same_position_tokens(parts):
     module = module_for(parts, selector_alpha=0.0)
     head = target.lm_head_weight.detach()
 
-    def oracle(block_embeds, block_positions, context, context_positions, mask, cache=None):
+    def oracle(block_embeds, block_positions, context, context_positions, mask, cache=None, block_size=None):
         ids = batch["input_ids"].gather(1, block_positions.clamp(max=batch["input_ids"].shape[1] - 1))
         return head[ids] * 50.0
 
@@ -575,7 +575,7 @@ def test_soft_labels_are_the_targets_distribution_before_each_slot(parts):
         rows = torch.arange(len(final.final_hidden))[:, None]
         shift = 1
 
-        def oracle(block_embeds, block_positions, context, context_positions, mask, cache=None):
+        def oracle(block_embeds, block_positions, context, context_positions, mask, cache=None, block_size=None):
             return final.final_hidden[rows, (block_positions - shift).clamp(0, logits.shape[1] - 1)]
 
         module.draft.forward = oracle

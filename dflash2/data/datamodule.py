@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from dflash2.contract import check_block_size
 from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
 from dflash2.data.chat import _same_file, load_conversations, sharegpt_path, tokenize_conversations
 
@@ -157,8 +158,7 @@ class DFlashDataModule(L.LightningDataModule):
         extra_paths: list[str] | tuple[str, ...] = (),
     ):
         super().__init__()
-        if block_size < 2:
-            raise ValueError(f"block_size={block_size}: a block needs the anchor and at least one slot (>= 2)")
+        check_block_size(block_size)
         if not 0 <= mask_token_id < len(tokenizer):
             raise ValueError(f"mask_token_id={mask_token_id} is outside the tokenizer's {len(tokenizer)} ids")
         if not getattr(tokenizer, "chat_template", None):

@@ -1,7 +1,7 @@
 """The block-local grouped dynamic depthwise convolution of contract section 4: a Triton kernel and its reference.
 
-With tokens flattened as [N, H] and p = n mod block_size:
-    out[n, c] = sum over t < T with p - t >= 0 of (base[t, c] + delta[n, t, c // group_size]) * hidden[n - t, c]
+With tokens flattened as [N, H], G groups of H / G channels (delta [N, T, G]) and p = n mod block_size:
+    out[n, c] = sum over t < T with p - t >= 0 of (base[t, c] + delta[n, t, c // (H / G)]) * hidden[n - t, c]
 """
 
 from __future__ import annotations
@@ -58,11 +58,12 @@ else:
 
 
 def _grouped_conv_triton(
-    hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+    hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     hidden, delta, base = hidden.contiguous(), delta.contiguous(), base.contiguous()
     n_tokens, hidden_size = hidden.shape
     taps, groups = delta.shape[1], delta.shape[2]
+    group_size = hidden_size // groups
     out = torch.empty_like(hidden)
     # 8 tokens x 128 channels with 4 warps was the fastest tile for H=4096, group 16 on an H200 (benchmarks/).
     block_n, block_j = 8, min(128, triton.next_power_of_2(group_size))
@@ -88,18 +89,18 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (gradcheck)
 
 
-def _weights(delta: torch.Tensor, base: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def _weights(delta: torch.Tensor, base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, T, H] per-token taps: the static base plus the token's coefficient for the channel's group."""
-    return base.to(dtype) + delta.to(dtype).repeat_interleave(group_size, dim=-1)
+    return base.to(dtype) + delta.to(dtype).repeat_interleave(base.shape[1] // delta.shape[2], dim=-1)
 
 
 def grouped_conv_reference(
-    hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+    hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     """Plain PyTorch, vectorised over taps and autograd-capable; fp32 accumulation, output in hidden's dtype."""
     acc = _accumulator(hidden.dtype)
     x, _ = _shifted(hidden.to(acc), base.shape[0], block_size)
-    return (_weights(delta, base, group_size, acc) * x).sum(1).to(hidden.dtype)
+    return (_weights(delta, base, acc) * x).sum(1).to(hidden.dtype)
 
 
 def _grouped_conv_backward(
@@ -108,7 +109,6 @@ def _grouped_conv_backward(
     delta: torch.Tensor,
     base: torch.Tensor,
     block_size: int,
-    group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n_tokens, taps = hidden.shape[0], base.shape[0]
     acc = _accumulator(hidden.dtype)
@@ -117,9 +117,9 @@ def _grouped_conv_backward(
     # d out[n, c] / d w[n, t, c] = hidden[n - t, c]: the weight grad, summed per group (delta) or over tokens (base).
     grad_w = g[:, None, :] * x
     grad_base = grad_w.sum(0)
-    grad_delta = grad_w.unflatten(-1, (-1, group_size)).sum(-1)
+    grad_delta = grad_w.unflatten(-1, (delta.shape[2], -1)).sum(-1)
     # hidden[m] feeds out[m + t] through w[m + t, t]: send each valid (n, t) contribution back to row n - t.
-    to_source = torch.where(valid[..., None], _weights(delta, base, group_size, acc) * g[:, None, :], 0.0)
+    to_source = torch.where(valid[..., None], _weights(delta, base, acc) * g[:, None, :], 0.0)
     grad_hidden = torch.zeros_like(g)
     for t in range(taps):
         grad_hidden[: n_tokens - t] += to_source[t:, t]
@@ -134,43 +134,44 @@ class _GroupedConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, delta, base, block_size, group_size, triton_forward):
+    def forward(ctx, hidden, delta, base, block_size, triton_forward):
         ctx.save_for_backward(hidden, delta, base)
-        ctx.block_size, ctx.group_size = block_size, group_size
+        ctx.block_size = block_size
         run = _grouped_conv_triton if triton_forward else grouped_conv_reference
-        return run(hidden, delta, base, block_size, group_size)
+        return run(hidden, delta, base, block_size)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grads = _grouped_conv_backward(grad_out, *ctx.saved_tensors, ctx.block_size, ctx.group_size)
-        return *(g if ctx.needs_input_grad[i] else None for i, g in enumerate(grads)), None, None, None
+        grads = _grouped_conv_backward(grad_out, *ctx.saved_tensors, ctx.block_size)
+        return *(g if ctx.needs_input_grad[i] else None for i, g in enumerate(grads)), None, None
 
 
-def _check(hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int) -> None:
+def _check(hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> None:
+    """The tensors' shapes fit each other (which values are valid drafter fields is dflash2.contract's to say)."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [tokens, hidden], got shape {tuple(hidden.shape)}")
     n_tokens, hidden_size = hidden.shape
-    if group_size < 1 or hidden_size % group_size:
-        raise ValueError(f"group_size {group_size} does not divide the hidden size {hidden_size}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if base.dim() != 2 or base.shape[0] < 1 or base.shape[1] != hidden_size:
         raise ValueError(f"base must be [taps >= 1, {hidden_size}], got shape {tuple(base.shape)}")
-    want = (n_tokens, base.shape[0], hidden_size // group_size)
-    if tuple(delta.shape) != want:
-        raise ValueError(f"delta must be [tokens, taps, groups] = {list(want)}, got shape {tuple(delta.shape)}")
+    groups = delta.shape[-1] if delta.dim() == 3 else 0
+    if tuple(delta.shape) != (n_tokens, base.shape[0], groups) or not groups or hidden_size % groups:
+        raise ValueError(
+            f"delta must be [tokens, taps, groups] = [{n_tokens}, {base.shape[0]}, a divisor of {hidden_size}], got "
+            f"shape {tuple(delta.shape)}"
+        )
     if not hidden.device == delta.device == base.device:
         raise ValueError(f"hidden, delta and base are on {hidden.device}, {delta.device}, {base.device}")
 
 
-def grouped_conv(
-    hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
-) -> torch.Tensor:
-    """hidden [N, H], delta [N, T, H // group_size], base [T, H] -> [N, H] in hidden's dtype (contract section 4)."""
-    _check(hidden, delta, base, block_size, group_size)
+def grouped_conv(hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+    """hidden [N, H], delta [N, T, G], base [T, H] -> [N, H] in hidden's dtype (contract section 4): G groups of
+    H / G channels share each token's dynamic coefficient."""
+    _check(hidden, delta, base, block_size)
     if torch.compiler.is_compiling():
         # Under torch.compile inductor generates fused kernels for the reference, forward and backward alike.
-        return grouped_conv_reference(hidden, delta, base, block_size, group_size)
+        return grouped_conv_reference(hidden, delta, base, block_size)
     triton_forward = use_triton(hidden, _grouped_conv_kernel)
-    return _GroupedConv.apply(hidden, delta, base, block_size, group_size, triton_forward)
+    return _GroupedConv.apply(hidden, delta, base, block_size, triton_forward)
