@@ -274,7 +274,6 @@ def test_instant_on_a_27b_drafter(tmp_path):
     assert time.perf_counter() - start < 3.0
 
 
-
 @pytest.mark.parametrize("fault", [f for f, (_, shards, after, _) in FAULTS.items() if shards == 1 and after is None])
 def test_the_config_raises_the_linters_first_config_problem(tmp_path, fault):
     """One rule book: the linter reports review_config's problems first, and DFlash2Config refuses the same
