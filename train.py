@@ -7,8 +7,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from dflash2.groups import BAD_INPUT
 from dflash2.training import register_resolvers, train
-from dflash2.training.checks import BAD_INPUT
 
 register_resolvers()
 

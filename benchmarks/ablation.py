@@ -25,17 +25,17 @@ import pandas as pd
 VARIANTS: dict[str, list[str]] = {
     "dflash2": [],
     "sliding256": ["draft.layer_types=[sliding_attention,full_attention]", "draft.sliding_window=256"],
-    "feature_scaling": ["draft.feature_scaling=true"],
-    "init_std002": ["draft.init_std=0.02"],
+    "feature_scaling": ["module.feature_scaling=true"],
+    "init_std002": ["module.init_std=0.02"],
     "betas0999": ["optim.betas=[0.9,0.999]"],
     "lr2x": ["optim.lr=1.2e-3"],
-    "layers3": ["model.num_draft_layers=3", "model.target_layer_ids=[1,14,27]"],
-    "layers5": ["model.num_draft_layers=5", "model.target_layer_ids=[1,8,14,20,27]"],
-    "layers8": ["model.num_draft_layers=8", "model.target_layer_ids=[1,5,8,12,16,20,23,27]"],
-    "distill1": ["draft.distill=1.0"],
-    "distill05": ["draft.distill=0.5"],
-    "selector_alpha05": ["draft.selector_alpha=0.5"],
-    "selector_ramp": ["draft.selector_ramp_steps=600"],
+    "layers3": ["draft.num_hidden_layers=3", "draft.target_layer_ids=[1,14,27]"],
+    "layers5": ["draft.num_hidden_layers=5", "draft.target_layer_ids=[1,8,14,20,27]"],
+    "layers8": ["draft.num_hidden_layers=8", "draft.target_layer_ids=[1,5,8,12,16,20,23,27]"],
+    "distill1": ["objective.distill=1.0"],
+    "distill05": ["objective.distill=0.5"],
+    "selector_alpha05": ["objective.selector_alpha=0.5"],
+    "selector_ramp": ["objective.selector_ramp_steps=600"],
     "batch4": ["data.batch_size=4"],  # the recipe's batch before 2026-12-02
     "dflash": ["draft=dflash"],
 }
@@ -139,15 +139,13 @@ def tokenize(overrides: list[str]) -> None:
     """Render and cache the chats as `train.py OVERRIDES` would, so that the runs started together only read it."""
     from hydra import compose, initialize_config_dir
 
-    from dflash2.target import TargetModel
     from dflash2.training import register_resolvers
-    from dflash2.training.run import build_data, draft_config_for
+    from dflash2.training.run import build_data, load_target
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    target = TargetModel.from_config(cfg.model)
-    build_data(cfg, target, draft_config_for(target, cfg.model, cfg.draft)).prepare_data()
+    build_data(cfg, *load_target(cfg)).prepare_data()
 
 
 def main(argv: list[str]) -> None:

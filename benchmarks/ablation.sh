@@ -67,7 +67,7 @@ train() {  # train NAME STEPS VAL OVERRIDES...: train (resuming a killed run), e
 
 evaluate() {  # evaluate NAME DRAFT: one sweep over the benches; Hydra keeps the runs a killed sweep finished
   [ -f "$W/sweeps/$1.done" ] && return 0
-  if ! OMP_NUM_THREADS=2 python evaluate.py -m hydra.sweep.dir="$W/sweeps/$1" draft.path="$2" bench="$BENCHES" \
+  if ! OMP_NUM_THREADS=2 python evaluate.py -m hydra.sweep.dir="$W/sweeps/$1" drafter="$2" bench="$BENCHES" \
       "${eval_args[@]}" > "$W/eval.$1.log" 2>&1; then
     fail "to evaluate $1: see $W/eval.$1.log"
     return 1

@@ -44,7 +44,7 @@ eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
   regen_args=(max_new_tokens=8 batch_size=8) STEPS=4 VAL=2 LIMIT=${LIMIT_CHECK:-48}
   train_args+=(trainer=cpu model.dtype=float32 data.max_length=256 data.max_anchors=8
-    data.val_size=8 data.num_workers=0 model.num_draft_layers=1)
+    data.val_size=8 data.num_workers=0 draft.num_hidden_layers=1)
   eval_args=(bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi
 log() { echo "[$(date +%T)] $*"; }
@@ -111,7 +111,7 @@ train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter alr
 sweep() {  # sweep NAME GPU DRAFTS OVERRIDES...: one Hydra multirun under DIR (sweeps/ unless SWEEPS is set)
   local drafts
   drafts=$(for d in ${3//,/ }; do if [ "$d" = pld ]; then printf 'pld,'; else printf '%s,' "$W/exports/$d"; fi; done)
-  if ! on "$2" python evaluate.py -m hydra.sweep.dir="$W/${SWEEPS:-sweeps}/$1" draft.path="${drafts%,}" \
+  if ! on "$2" python evaluate.py -m hydra.sweep.dir="$W/${SWEEPS:-sweeps}/$1" drafter="${drafts%,}" \
       "${eval_args[@]}" "${@:4}" > "$W/sweep.$1.log" 2>&1; then
     fail "sweep $1: see $W/sweep.$1.log"
     return 1
@@ -140,7 +140,7 @@ if stage train; then
   # The warm start follows DFlash on its GPU; beside the grid's evaluations it trained 4 times slower.
   if wanted dflash2; then spawn train dflash2; fi
   if { wanted dflash || wanted dflash2_warm; } && train dflash 1 draft=dflash && wanted dflash2_warm; then
-    spawn train dflash2_warm draft.init_from="$W/exports/dflash" draft.train_backbone=false
+    spawn train dflash2_warm module.init_from="$W/exports/dflash" module.train_backbone=false
   fi
   finish
   done_ train

@@ -91,23 +91,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.WARNING)
 
-    from dflash2.target import TargetModel
-    from dflash2.training.run import adopt_warm_start, build_module, draft_config_for
+    from dflash2.training.run import adopt_warm_start, build_module, load_target
 
     cfg = compose_preset(
         args.preset,
         small=False,
         extra=[
             f"draft={args.draft}",
-            f"draft.init_from={args.export.resolve()}",
+            f"module.init_from={args.export.resolve()}",
             "model.dtype=float32",
             "model.compile=false",
-            "draft.compile=false",
+            "module.compile=false",
         ],
     )
     adopt_warm_start(cfg)
-    target = TargetModel.from_config(cfg.model, device="cpu")
-    module = build_module(target, cfg, draft_config_for(target, cfg.model, cfg.draft))
+    target, draft = load_target(cfg)  # on the CPU, as the model group loads it
+    module = build_module(target, cfg, draft)
     rows = []
     for file in sorted(args.sweep.rglob("results.json")):
         found = bench_chats(file.parent, target.tokenizer)

@@ -71,9 +71,9 @@ def oracle_features(target, input_ids: torch.Tensor) -> SimpleNamespace:
 
 def probe(drafter: str, layers: int, args: argparse.Namespace) -> dict:
     overrides = DRAFTERS[drafter] + [
-        f"model.num_draft_layers={layers}",
-        f"model.block_size={args.block_size}",
-        "model.target_layer_ids=[1,3]",
+        f"draft.num_hidden_layers={layers}",
+        f"draft.block_size={args.block_size}",
+        "draft.target_layer_ids=[1,3]",
         "draft.selector_rank=0",
         "draft.selector_top_k=0",
         f"optim.lr={args.lr}",

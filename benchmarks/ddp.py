@@ -25,6 +25,8 @@ import tempfile
 import pandas as pd
 import torch
 
+from dflash2.testing import tiny_target_path
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = "the a of to in is it and for on with as was at by an be this that from or have not are".split()
 
@@ -90,7 +92,14 @@ def main(argv: list[str] | None = None) -> dict:
 def measure(args: argparse.Namespace, work: pathlib.Path, steps: int, warmup: int, smooth: int, parser) -> dict:
     if args.small:
         data = small_chats(work / "chats.jsonl")
-        base = ["model=tiny", "data=jsonl", "data.max_length=128", "data.val_size=4", "data.num_workers=0"]
+        base = [
+            "model=tiny",
+            f"model.path={tiny_target_path()}",
+            "data=jsonl",
+            "data.max_length=128",
+            "data.val_size=4",
+            "data.num_workers=0",
+        ]
         single_trainer = ["trainer=cpu"]
         ddp_trainer = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true"]
     else:

@@ -27,7 +27,9 @@ import transformers
 import yaml
 from transformers import StaticCache
 
+from dflash2.groups import build
 from dflash2.target import TargetModel
+from dflash2.testing import tiny_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ATTENTIONS = ("sdpa", "grouped_sdpa")
@@ -35,9 +37,9 @@ ATTENTIONS = ("sdpa", "grouped_sdpa")
 
 def load_target(small: bool, device: str, dtype: str = "bfloat16") -> TargetModel:
     if small:
-        return TargetModel.load("tiny", device=device)
+        return tiny_target(device=device)
     cfg = yaml.safe_load((ROOT / "configs" / "model" / "smollm2.yaml").read_text())
-    return TargetModel.from_config(cfg | {"dtype": dtype}, device=device)
+    return build(cfg | {"dtype": dtype}, device=device)
 
 
 def prefill(target: TargetModel, tokens: torch.Tensor, mask: torch.Tensor, cache_len: int) -> StaticCache:

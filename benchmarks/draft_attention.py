@@ -28,9 +28,9 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash2.data.anchors import flex_block_mask, sample_anchors
-from dflash2.timing import print_table
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from timing import print_table  # noqa: E402
 from train_throughput import synthetic_loss_mask  # noqa: E402
 
 CONFIGS: list[dict[str, Any]] = [
@@ -58,7 +58,7 @@ def attended_pairs(anchors: torch.Tensor, block_size: int) -> int:
 
 def timed_ms(fn, cuda: bool) -> float:
     if cuda:
-        from dflash2.timing import median_ms
+        from timing import median_ms
 
         return median_ms(fn, rep=100)
     fn()

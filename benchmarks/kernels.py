@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 
 import torch
 
 from dflash2 import kernels
-from dflash2.timing import graph_ms, median_ms, print_table
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from timing import graph_ms, median_ms, print_table  # noqa: E402
 
 BATCHES = [2**i for i in range(9)]  # 1 .. 256 requests
 

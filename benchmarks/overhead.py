@@ -37,7 +37,9 @@ from dflash2 import kernels
 from dflash2.config import DFlash2Config, default_target_layer_ids
 from dflash2.model import DFlash2DraftModel, DraftCache, RMSNorm, apply_rope
 from dflash2.selector import head_logits
-from dflash2.timing import graph_ms, median_ms, print_table
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from timing import graph_ms, median_ms, print_table  # noqa: E402
 
 REP_MS = 200  # do_bench_cudagraph's measuring window per piece
 CPU_REPEATS = 5

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from dflash2.target import TargetModel
+from dflash2.testing import tiny_target
 
 
 def build(small: bool, device: torch.device) -> TargetModel:
     if small:
-        return TargetModel.load("tiny", target_layer_ids=[1, 2], device=device)
+        return tiny_target(target_layer_ids=[1, 2], device=device)
     from omegaconf import OmegaConf
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

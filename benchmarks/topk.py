@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 
 import torch
 
-from dflash2.timing import median_ms, print_table
 from dflash2.training.losses import grouped_topk
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from timing import median_ms, print_table  # noqa: E402
 
 VOCABS = {"smollm2": 49152, "qwen3": 151936}
 

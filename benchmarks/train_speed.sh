@@ -36,7 +36,7 @@ part() { [[ $PARTS == *",$1,"* ]]; }
 
 if part equal; then
   log "GPU tests, and beside them the plain and the fast path for $STEPS steps each"
-  train plain "${equal[@]}" draft.compile=false draft.fused_head=false model.compile=false &
+  train plain "${equal[@]}" module.compile=false objective.fused_head=false model.compile=false &
   plain=$!
   train fast "${equal[@]}" &
   fast=$!

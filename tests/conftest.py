@@ -2,7 +2,6 @@ import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh random chat file: two turns per chat, replies long enough for several blocks."""
-    rng = random.Random(time.time_ns())
+    """A random chat file, the same every run: two turns per chat, replies long enough for several blocks."""
+    rng = random.Random(0)
     path = tmp_path_factory.mktemp("data") / "chats.jsonl"
     with path.open("w") as f:
         for i in range(20):

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash2.data.anchors import dense_block_mask
 from dflash2.model import DraftCache
+from dflash2.testing import tiny_target
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -141,7 +142,7 @@ def test_flop_formula_matches_the_flop_counter(preset):
     trained = int((batch["labels"] != -100).sum())
     # The fused head sends the top-K values' gradient back through W[cand] (a bmm the plain head folds into its
     # logits' gradient): hardware work the formula leaves out.
-    top_k = draft.selector_top_k if module.hparams.fused_head else 0
+    top_k = draft.selector_top_k if module.objective.fused_head else 0
     extra = 2 * trained * top_k * draft.hidden_size
     assert matmuls == flops["target_matmul"] + flops["draft_matmul"] + extra
 
@@ -240,9 +241,8 @@ def test_copy_gap_replays_prompt_lookups_own_steps():
     the replay starts each step where the decode loop did and counts acceptance as the verify does."""
     from dflash2 import speculative
     from dflash2.lookup import PromptLookup
-    from dflash2.target import TargetModel
 
-    target = TargetModel.load("tiny")
+    target = tiny_target()
     g = torch.Generator().manual_seed(torch.seed() % 10_000)
     prompts = []
     for _ in range(4):

@@ -12,16 +12,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash2.data import (
-    DFlashDataModule,
-    block_labels,
-    dense_block_mask,
-    flex_block_mask,
-    load_conversations,
-    render,
-    sample_anchors,
-)
-from dflash2.data.anchors import block_mask_mod
+from dflash2.data.anchors import block_labels, block_mask_mod, dense_block_mask, flex_block_mask, sample_anchors
+from dflash2.data.chat import load_conversations, render
+from dflash2.data.datamodule import DFlashDataModule
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -559,9 +552,12 @@ def test_data_configs_instantiate(tokenizer, tmp_path, option):
     configs = os.path.join(os.path.dirname(__file__), "..", "configs")
     with initialize_config_dir(config_dir=os.path.abspath(configs), version_base="1.3"):
         cfg = compose("train", overrides=[f"data={option}", f"data.path={tmp_path / 'x.jsonl'}"])
-    dm = instantiate(cfg.data, tokenizer=tokenizer, block_size=cfg.model.block_size, _recursive_=False)
+    mask = cfg.model.mask_token_id
+    dm = instantiate(
+        cfg.data, tokenizer=tokenizer, block_size=cfg.draft.block_size, mask_token_id=mask, _recursive_=False
+    )
     assert isinstance(dm, DFlashDataModule)
-    assert dm.hparams.mask_token_id == cfg.model.mask_token_id and dm.hparams.seed == cfg.seed
+    assert dm.hparams.mask_token_id == mask and dm.hparams.seed == cfg.seed
 
 
 def test_extra_paths_train_only_and_leave_validation_as_it_was(tokenizer, tmp_path, cache):

@@ -14,14 +14,14 @@ from hydra import compose, initialize_config_dir
 from dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash2.evaluation import acceptance_stats, evaluate, read_tau_sim
 from dflash2.manifest import MANIFEST_KEY, build_manifest, target_identity
-from dflash2.target import TargetModel
+from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return TargetModel.load("tiny")
+    return tiny_target()
 
 
 def export_draft(target, folder, selector=True, manifest=None, tau_sim=None):
@@ -50,7 +50,16 @@ def export_draft(target, folder, selector=True, manifest=None, tau_sim=None):
 
 def config(*overrides):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        return compose("evaluate", overrides=["model=tiny", "bench=humaneval", "wandb.enabled=false", *overrides])
+        return compose(
+            "evaluate",
+            overrides=[
+                "model=tiny",
+                f"model.path={tiny_target_path()}",
+                "bench=humaneval",
+                "wandb.enabled=false",
+                *overrides,
+            ],
+        )
 
 
 def read_run(run_dir):
@@ -61,7 +70,7 @@ def read_run(run_dir):
 
 def test_results_agree_with_samples(tiny, tmp_path):
     draft = export_draft(tiny, tmp_path / "draft", tau_sim=2.5)
-    cfg = config(f"draft.path={draft}", "bench.limit=3", "max_new_tokens=8", "block_size=8", "batch_size=2")
+    cfg = config(f"drafter={draft}", "bench.limit=3", "max_new_tokens=8", "block_size=8", "batch_size=2")
     evaluate(cfg, tmp_path / "run")
     results, samples = read_run(tmp_path / "run")
     assert len(samples) == results["num_prompts"] == results["num_requests"] == 3
@@ -89,7 +98,7 @@ def test_a_rerun_keeps_finished_runs_of_the_same_settings(tiny, tmp_path, monkey
     from dflash2 import evaluation
 
     draft = export_draft(tiny, tmp_path / "draft")
-    overrides = [f"draft.path={draft}", "bench.limit=2", "max_new_tokens=6"]
+    overrides = [f"drafter={draft}", "bench.limit=2", "max_new_tokens=6"]
     first = evaluation.main(config(*overrides), tmp_path / "run")
     assert first["config"]["bench"]["limit"] == 2 and "wandb" not in first["config"]
     calls = []
@@ -107,7 +116,7 @@ def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
     prompts = [{"id": "mt/1", "turns": ["Name a fruit.", "And a vegetable?"]}, {"id": "mt/2", "turns": ["Hi."]}]
     monkeypatch.setattr("dflash2.bench.load_prompts", lambda name, limit=None: prompts)
     draft = export_draft(tiny, tmp_path / "draft", selector=False)
-    cfg = config(f"draft.path={draft}", "max_new_tokens=6", "draft.selector=false", "temperature=1", "baseline=true")
+    cfg = config(f"drafter={draft}", "max_new_tokens=6", "selector=false", "temperature=1", "baseline=true")
     results = evaluate(cfg, tmp_path / "run")
     _, samples = read_run(tmp_path / "run")
     assert [(s["id"], s["turn"]) for s in samples] == [("mt/1", 0), ("mt/2", 0), ("mt/1", 1)]
@@ -130,7 +139,7 @@ def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path,
         evaluation, "generate_turns", lambda t, d, *a: calls.append((d is None, a[-1])) or real(t, d, *a)
     )
     overrides = ["bench.limit=2", "max_new_tokens=6", "temperature=0", "baseline=true", "repeats=3"]
-    results = evaluate(config(f"draft.path={draft}", *overrides), tmp_path / "run")
+    results = evaluate(config(f"drafter={draft}", *overrides), tmp_path / "run")
     # drafter, then target alone, three times; one-off costs are paid before the first pass only
     assert calls == [(False, True), (True, True), (False, False), (True, False), (False, False), (True, False)]
     spec, base = results["tokens_per_s_passes"], results["baseline"]["tokens_per_s_passes"]
@@ -142,18 +151,18 @@ def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path,
     )
     assert results["baseline"]["identical_outputs"] == 1.0
     with pytest.raises(ValueError, match="repeats=0"):
-        evaluate(config(f"draft.path={draft}", "repeats=0"), tmp_path / "run0")
+        evaluate(config(f"drafter={draft}", "repeats=0"), tmp_path / "run0")
 
 
 def test_a_draft_for_another_target_is_refused(tiny, tmp_path):
     identity = target_identity("tiny", tiny.config, tiny.tokenizer) | {"target": "other", "tokenizer_hash": "0" * 64}
     draft = export_draft(tiny, tmp_path / "draft", manifest=build_manifest(identity, "test", 0))
     with pytest.raises(ValueError, match="trained for .*'other'"):
-        evaluate(config(f"draft.path={draft}", "bench.limit=1"), tmp_path / "run")
+        evaluate(config(f"drafter={draft}", "bench.limit=1"), tmp_path / "run")
 
 
 def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
-    cfg = config("draft.path=pld", "bench.limit=2", "max_new_tokens=8", "batch_size=2", "baseline=true")
+    cfg = config("drafter=pld", "bench.limit=2", "max_new_tokens=8", "batch_size=2", "baseline=true")
     results = evaluate(cfg, tmp_path / "run")
     _, samples = read_run(tmp_path / "run")
     assert results["draft"]["name"] == "pld" and results["draft"]["architecture"] == "PromptLookup"
@@ -165,7 +174,7 @@ def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
     assert results["target"] == target_identity("tiny", tiny.config, tiny.tokenizer)
     assert results["baseline"]["identical_outputs"] == 1.0  # greedy: the target's own output
 
-    results = evaluate(config("draft.path=pld", "bench.limit=1", "max_new_tokens=4", "block_size=4"), tmp_path / "b4")
+    results = evaluate(config("drafter=pld", "bench.limit=1", "max_new_tokens=4", "block_size=4"), tmp_path / "b4")
     assert results["block_size"] == 4 and results["draft"]["pld"]["num_tokens"] == 3
 
 
@@ -183,7 +192,7 @@ def test_prompt_lookup_settings_are_checked_before_loading_a_target(tmp_path, mo
 
     monkeypatch.setattr(evaluation, "load_target", lambda *a: pytest.fail("the target was loaded first"))
     with pytest.raises(ValueError, match=message):
-        evaluate(config("draft.path=pld", override), tmp_path / "run")
+        evaluate(config("drafter=pld", override), tmp_path / "run")
 
 
 def test_acceptance_stats_by_hand():
@@ -198,7 +207,7 @@ def test_tau_sim_comes_from_the_manifest_or_the_readme(tmp_path):
     (tmp_path / "README.md").write_text("| `val/acc_1` | 0.5 |\n| `val/tau_sim` | 3.2500 |\n")
     assert read_tau_sim(tmp_path) == 3.25
     assert read_tau_sim(tmp_path, {"metrics/tau_sim": 4.0}) == 4.0
-    # A DFlash2 drafter also records its argmax path, the comparator of a run with draft.selector=false.
+    # A DFlash2 drafter also records its argmax path, the comparator of a run with selector=false.
     (tmp_path / "README.md").write_text("| `val/tau_sim` | 3.2500 |\n| `val/tau_sim_top1` | 2.5000 |\n")
     assert read_tau_sim(tmp_path) == 3.25 and read_tau_sim(tmp_path, name="tau_sim_top1") == 2.5
     both = {"metrics/tau_sim_top1": 2.0, "metrics/tau_sim": 4.0}
@@ -217,7 +226,14 @@ def sweep(tiny, tmp_path_factory):
     """A drafter and prompt lookup x 2 benches x 2 temperatures, its output to a file as under nohup or a scheduler."""
     root = tmp_path_factory.mktemp("sweep")
     draft = export_draft(tiny, root / "draft", tau_sim=1.5)
-    args = [f"draft={draft},pld", "model=tiny", "bench=humaneval,sharegpt", "bench.limit=2", "temperature=0,1"]
+    args = [
+        f"drafter={draft},pld",
+        "model=tiny",
+        f"model.path={tiny_target_path()}",
+        "bench=humaneval,sharegpt",
+        "bench.limit=2",
+        "temperature=0,1",
+    ]
     with (root / "evaluate.out").open("w") as out:
         run = evaluate_cli(root, "-m", *args, "max_new_tokens=6", f"hydra.sweep.dir={root / 'multirun'}", stdout=out)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -259,10 +275,17 @@ def test_each_run_logs_its_progress_and_results_off_a_terminal(sweep):
 def test_a_damaged_drafter_fails_in_one_sentence_before_the_target_loads(tiny, tmp_path):
     draft = export_draft(tiny, tmp_path / "draft")
     os.truncate(draft / "model.safetensors", (draft / "model.safetensors").stat().st_size // 2)
-    done = evaluate_cli(tmp_path, f"draft={draft}", "model=tiny", "bench.limit=1", "wandb.enabled=false")
+    done = evaluate_cli(
+        tmp_path,
+        f"drafter={draft}",
+        "model=tiny",
+        f"model.path={tiny_target_path()}",
+        "bench.limit=1",
+        "wandb.enabled=false",
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
     (line,) = done.stderr.strip().splitlines()  # what export.py check says, on one line
-    assert f"draft.path={draft}" in line and "model.safetensors is unreadable" in line
+    assert f"drafter={draft}" in line and "model.safetensors is unreadable" in line
 
 
 def test_notebook_runs_on_the_sweep(sweep, monkeypatch):

@@ -19,7 +19,8 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from dflash2 import DFlash2Config, DFlash2DraftModel, tensor_shapes
-from dflash2.export import draft_from_checkpoint, export_checkpoint, find_checkpoint, load_checkpoint
+from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint
+from dflash2.export import export_checkpoint
 from dflash2.lint import LintReport
 from dflash2.manifest import build_manifest, check_manifest, read_manifest, target_identity
 from dflash2.model import read_safetensors

@@ -30,7 +30,7 @@ class Probe(Callback):
 
 
 def test_checkpoint_layout_and_resume(chats, tmp_path):
-    from dflash2.export import draft_from_checkpoint
+    from dflash2.checkpoint import draft_from_checkpoint
 
     run = tmp_path / "run"
     first = train(config(chats, run, "trainer.max_steps=3", "trainer.max_epochs=5"))
@@ -121,12 +121,12 @@ class FirstStepFc(Callback):
 
 
 def test_feature_scaling_scales_a_fresh_run_once_and_a_resume_never(chats, tmp_path, caplog):
-    """draft.feature_scaling rescales fc's column blocks at a fresh run's first step (and logs the RMS it measured);
-    a resumed run keeps the fc of its checkpoint. With draft.distill the soft CE is logged beside the hard one."""
+    """module.feature_scaling rescales fc's column blocks at a fresh run's first step (and logs the RMS it measured);
+    a resumed run keeps the fc of its checkpoint. With objective.distill the soft CE is logged beside the hard one."""
     import pandas as pd
 
     run = tmp_path / "run"
-    knobs = ["draft.feature_scaling=true", "draft.distill=0.5", "trainer.max_epochs=5"]
+    knobs = ["module.feature_scaling=true", "objective.distill=0.5", "trainer.max_epochs=5"]
     fresh, resumed = FirstStepFc(), FirstStepFc()
     with caplog.at_level(logging.INFO, logger="dflash2.training.module"):
         first = train(config(chats, run, *knobs, "trainer.max_steps=2"), callbacks=[fresh])
@@ -224,7 +224,7 @@ def test_unavailable_target_fails_fast_in_one_sentence(tmp_path):
 def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
     from dflash2.target import TargetModel
 
-    monkeypatch.setattr(TargetModel, "from_config", lambda *a, **k: pytest.fail("the target loaded first"))
+    monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target loaded first"))
     cfg = config(chats, tmp_path, override.format(tmp=tmp_path))
     with pytest.raises((ValueError, FileNotFoundError), match=error):
         train(cfg)
@@ -299,12 +299,14 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
     "override, error",
     [
         ("draft.conv_group_size=7", "draft.conv_group_size: 7 does not divide hidden_size 64"),
-        ("model.block_size=1", "model.block_size: is 1"),
+        ("draft.block_size=1", "draft.block_size: is 1"),
         ("draft.selector_top_k=0", "draft.selector_rank/draft.selector_top_k: are 8/0"),
-        ("model.target_layer_ids=[1,9]", r"model.target_layer_ids: \[9\] out of range"),
-        ("draft.distill=1.5", r"draft.distill=1.5: .* must be in \[0, 1\]"),
-        ("draft.init_std=-0.02", "draft.init_std=-0.02: .* must be > 0"),
-        ("trainer=fsdp", "draft.feature_scaling=true .* FSDP"),
+        ("draft.target_layer_ids=[1,9]", r"draft.target_layer_ids: \[9\] out of range"),
+        ("model.mask_token_id=null", "draft.mask_token_id: must be set explicitly"),
+        ("objective.distill=1.5", r"objective.distill=1.5: .* must be in \[0, 1\]"),
+        ("optim.warmup_ratio=1.5", r"optim.warmup_ratio=1.5: .* in \[0, 1\)"),
+        ("module.init_std=-0.02", "module.init_std=-0.02: .* must be > 0"),
+        ("trainer=fsdp", "module.feature_scaling=true .* FSDP"),
         ("model.compile=fast", "model.compile='fast': set it to true, false or one of torch.compile's modes"),
         ("data.drop_last=yes", "data.drop_last='yes': set it to true or false"),
     ],
@@ -312,8 +314,8 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
     from dflash2.target import TargetModel
 
-    monkeypatch.setattr(TargetModel, "from_config", lambda *a, **k: pytest.fail("the target loaded first"))
-    overrides = [override, "draft.feature_scaling=true"] if override == "trainer=fsdp" else [override]
+    monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target loaded first"))
+    overrides = [override, "module.feature_scaling=true"] if override == "trainer=fsdp" else [override]
     with pytest.raises(ValueError, match=error):
         train(config(chats, tmp_path / "run", *overrides))
 

@@ -10,6 +10,7 @@ from dflash2 import speculative as spec
 from dflash2.kernels import _backend
 from dflash2.lookup import PromptLookup
 from dflash2.target import TargetModel
+from dflash2.testing import tiny_target
 
 DRAFT_KINDS = {
     "dflash": dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0),
@@ -29,7 +30,7 @@ DRAFT_KINDS = {
 
 @pytest.fixture(scope="module")
 def tiny():
-    return TargetModel.load("tiny", target_layer_ids=[1, 2])
+    return tiny_target(target_layer_ids=[1, 2])
 
 
 def make_draft(target, kind, block_size, seed, scale=0.2, **over):
@@ -308,7 +309,7 @@ def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
     # Sizeable codebooks, so the walk leaves the argmax path.
     draft = make_draft(tiny, "dflash2", 4, seed, scale=0.5)
     if torch.cuda.is_available():  # the compiled kernel; without a GPU, conftest.py has set TRITON_INTERPRET=1
-        tiny = TargetModel.load("tiny", target_layer_ids=[1, 2], device="cuda")
+        tiny = tiny_target(target_layer_ids=[1, 2], device="cuda")
         draft = draft.cuda()
     seen = {}
 

@@ -1,5 +1,6 @@
 """The frozen target wrapper, the mask-token choice and assistant-turn regeneration."""
 
+import inspect
 import json
 import logging
 import os
@@ -24,13 +25,14 @@ from dflash2.target import (
     draft_config_fields,
     load_target_config,
 )
+from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny() -> TargetModel:
-    return TargetModel.load("tiny", target_layer_ids=[0, 1, 2, 3])
+    return tiny_target(target_layer_ids=[0, 1, 2, 3])
 
 
 def random_batch(vocab: int, b: int = 2, length: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +67,7 @@ def test_logits_at_picks_each_rows_position(tiny):
 
 
 def test_logits_false_gives_same_hidden_and_skips_later_layers():
-    target = TargetModel.load("tiny", target_layer_ids=[2, 0])
+    target = tiny_target(target_layer_ids=[2, 0])
     ran = []
     target.layers[3].register_forward_hook(lambda *_: ran.append(3))
     ids, mask = random_batch(target.vocab_size)
@@ -83,7 +85,7 @@ def test_compiled_layers_give_the_eager_features_and_stop_early_too():
     """model.compile's path (compiled_layers, which training enters on CUDA): each layer's forward compiled, the loop,
     hooks and early stop eager. Same features as eager at two lengths (one graph), the deepest captured layer is still
     the last to run, and the layers' own forward is back afterwards."""
-    target = TargetModel.load("tiny", target_layer_ids=[2, 0], compile_features=True)
+    target = tiny_target(target_layer_ids=[2, 0], compile=True)
     ran = []
     target.layers[3].register_forward_hook(lambda *_: ran.append(3))
     ids, _ = random_batch(target.vocab_size)
@@ -104,7 +106,7 @@ def test_model_compile_reaches_torch_compile_as_its_mode(monkeypatch, value, mod
     calls, steps = [], []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
-    target = TargetModel.load("tiny", target_layer_ids=[1], compile_features=value)
+    target = tiny_target(target_layer_ids=[1], compile=value)
     assert target.compile_features == mode
     for _ in range(2):
         with target.compiled_layers():
@@ -123,7 +125,7 @@ def test_model_compile_refuses_what_torch_compile_does_not_take(value):
 def test_cuda_graph_target_layers_give_the_eager_features():
     """model.compile=reduce-overhead on CUDA: every layer replays a CUDA graph per shape. The features equal eager
     ones at two lengths, on the recording and on the replays, and a step's features survive the next step's replay."""
-    target = TargetModel.load("tiny", target_layer_ids=[2, 0], device="cuda", compile_features="reduce-overhead")
+    target = tiny_target(target_layer_ids=[2, 0], device="cuda", compile="reduce-overhead")
     ids, _ = random_batch(target.vocab_size)
     ids = ids.cuda()
     lengths = (ids.shape[1], ids.shape[1] - 3)
@@ -144,7 +146,7 @@ def test_cuda_graph_target_layers_give_the_eager_features():
 def test_final_hidden_runs_every_layer_and_is_the_heads_input():
     """final=True (soft-label distillation) runs past the deepest captured layer and returns the final normed hidden
     state: the target's own logits are the head applied to it."""
-    target = TargetModel.load("tiny", target_layer_ids=[1, 0])
+    target = tiny_target(target_layer_ids=[1, 0])
     ran = []
     target.layers[3].register_forward_hook(lambda *_: ran.append(3))
     ids, mask = random_batch(target.vocab_size)
@@ -175,7 +177,7 @@ def test_draft_config_fields(tiny):
     assert fields["rope_theta"] == 10000.0 and fields["output_multiplier"] == 1.0
     assert fields["final_logit_softcapping"] is None
     # train.py's checks read the same fields from the target's config alone, before its weights load.
-    assert draft_config_fields(load_target_config({"path": "tiny"})) == fields
+    assert draft_config_fields(load_target_config({"path": tiny_target_path()})) == fields
 
 
 def test_a_target_folder_is_recorded_by_its_absolute_path(tiny, tmp_path, monkeypatch):
@@ -188,7 +190,7 @@ def test_a_target_folder_is_recorded_by_its_absolute_path(tiny, tmp_path, monkey
 def test_quantized_head_is_refused(tiny):
     head = nn.Linear(tiny.hidden_size, tiny.vocab_size, bias=False)
     head.weight = nn.Parameter(torch.randint(-8, 8, head.weight.shape, dtype=torch.int8), requires_grad=False)
-    model = TargetModel.load("tiny").model
+    model = tiny_target().model
     model.lm_head = head
     with pytest.raises(ValueError, match=r"lm_head: found Linear with weight Parameter torch\.int8"):
         TargetModel(model, tiny.tokenizer)
@@ -246,23 +248,28 @@ def test_mask_token_is_special_and_absent_from_chat(tiny):
         assert cfg["mask_token_id"] == mask, f"configs/model/{name}.yaml records a different mask id"
 
 
-def test_model_configs_share_keys():
-    keys = {"name", "path", "gguf_file", "dtype", "attn_implementation", "compile", "block_size", "num_draft_layers"}
-    keys |= {"mask_token_id", "target_layer_ids"}
+def test_model_configs_share_keys_and_build_a_target():
+    """Every model option holds the target alone, under the same keys: TargetModel.load's arguments."""
+    keys = {"_target_", "name", "path", "gguf_file", "dtype", "attn_implementation", "compile", "mask_token_id"}
+    accepted = set(inspect.signature(TargetModel.load).parameters) - {"cls"}
     for file in (ROOT / "configs" / "model").glob("*.yaml"):
-        assert set(yaml.safe_load(file.read_text())) == keys, file.name
+        cfg = yaml.safe_load(file.read_text())
+        assert set(cfg) == keys and cfg["_target_"] == "dflash2.target.TargetModel.load", file.name
+        assert keys - {"_target_"} <= accepted, file.name
 
 
 @pytest.mark.slow
 def test_embedded_smollm2_loads():
+    from hydra.utils import instantiate
+
     cfg = yaml.safe_load((ROOT / "configs" / "model" / "smollm2.yaml").read_text())
-    target = TargetModel.from_config(cfg)
+    target = instantiate(cfg, target_layer_ids=[1, 27])
     assert target.num_layers == 30 and target.vocab_size == 49152 and target.hidden_size == 576
     assert isinstance(target.tokenizer.chat_template, str) and "<|im_start|>" in target.tokenizer.chat_template
     assert target.lm_head_weight.dtype == torch.float32
     assert choose_mask_token(target.tokenizer, target.vocab_size) == cfg["mask_token_id"]
     out = target(torch.randint(0, 49152, (1, 6)), logits=False)
-    assert out.hidden.shape == (1, 6, 576 * len(cfg["target_layer_ids"]))
+    assert out.hidden.shape == (1, 6, 576 * 2)
 
 
 def write_sharegpt(path: Path) -> None:
@@ -352,7 +359,8 @@ def test_regenerate_config_on_tiny(tmp_path):
     from dflash2.data.regenerate import run
 
     write_sharegpt(tmp_path / "chats.json")
-    overrides = ["model=tiny", f"input={tmp_path / 'chats.json'}", "max_new_tokens=3", "limit=1"]
+    overrides = ["model=tiny", f"model.path={tiny_target_path()}", f"input={tmp_path / 'chats.json'}"]
+    overrides += ["max_new_tokens=3", "limit=1"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("regenerate", overrides=overrides)
     assert cfg.output == "data/regenerated/tiny.jsonl" and cfg.model.mask_token_id == 3
@@ -369,7 +377,8 @@ def test_regenerate_shards_split_the_input(tmp_path):
     write_sharegpt(tmp_path / "chats.json")
     ids = []
     for index in range(2):
-        overrides = ["model=tiny", f"input={tmp_path / 'chats.json'}", "max_new_tokens=2", "num_shards=2"]
+        overrides = ["model=tiny", f"model.path={tiny_target_path()}", f"input={tmp_path / 'chats.json'}"]
+        overrides += ["max_new_tokens=2", "num_shards=2"]
         overrides += [f"shard_index={index}", f"output={tmp_path / f'out.{index}.jsonl'}"]
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
             run(compose("regenerate", overrides=overrides))
@@ -496,7 +505,7 @@ def test_target_decodes_with_grouped_attention(tiny, monkeypatch):
     from transformers import DynamicCache, StaticCache
 
     assert tiny.model.config._attn_implementation == "grouped_sdpa"
-    assert TargetModel.load("tiny", attn_implementation="eager").model.config._attn_implementation == "eager"
+    assert tiny_target(attn_implementation="eager").model.config._attn_implementation == "eager"
     plain = copy.deepcopy(tiny.model)
     plain.set_attn_implementation("sdpa")
     queries = []  # (heads, query length) of every SDPA kernel call

@@ -11,19 +11,18 @@ from fresh_forward import fresh_block_output
 from training_setup import config
 
 from dflash2.selector import head_logits
-from dflash2.training import DFlash2Module, draft_losses, loss_gamma, slot_weights
+from dflash2.testing import tiny_target
+from dflash2.training import DFlash2Module, checks, draft_losses, loss_gamma, slot_weights
 from dflash2.training.losses import fused_head, grouped_topk, plain_head, summarise
-from dflash2.training.run import build_data, draft_config_for
+from dflash2.training.recipe import Objective
+from dflash2.training.run import build_data, load_target
 
 
 @pytest.fixture(scope="module")
 def parts(chats: Path, tmp_path_factory: pytest.TempPathFactory):
     """Target, draft config and one training batch, shared by the in-process tests."""
-    from dflash2.target import TargetModel
-
     cfg = config(chats, tmp_path_factory.mktemp("run"))
-    target = TargetModel.from_config(cfg.model)
-    draft_config = draft_config_for(target, cfg.model, cfg.draft)
+    target, draft_config = load_target(cfg)
     data = build_data(cfg, target, draft_config)
     data.prepare_data()
     data.setup("fit")
@@ -31,8 +30,10 @@ def parts(chats: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def module_for(parts, **kwargs) -> DFlash2Module:
+    """The module of `parts`; `kwargs` are its own settings and the objective's."""
     cfg, target, draft_config, _ = parts
-    return DFlash2Module(target, draft_config.to_dict(), **kwargs)
+    objective = {k: kwargs.pop(k) for k in list(kwargs) if k in Objective.__dataclass_fields__}
+    return DFlash2Module(target, draft_config, Objective(**objective), **kwargs)
 
 
 def fit_batch(module: DFlash2Module, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
@@ -267,7 +268,7 @@ def test_accuracy_scores_the_walk_that_decoding_runs():
 def test_fast_path_matches_the_plain_path_on_cuda(parts, chats, tmp_path, drafter):
     """The fused head + compiled drafter, head chunks and mask against eager PyTorch over whole logits, as trained:
     bf16 autocast, random weights (conv and selector away from their inert init), the same batch; `_distill`: with
-    soft labels (draft.distill=0.5), whose teacher rows go through the compiled chunks too."""
+    soft labels (objective.distill=0.5), whose teacher rows go through the compiled chunks too."""
     cfg, target = parts[0], parts[1].to("cuda")
     try:
         _compare_fast_and_plain(cfg, target, parts[3], chats, tmp_path, drafter)
@@ -277,12 +278,11 @@ def test_fast_path_matches_the_plain_path_on_cuda(parts, chats, tmp_path, drafte
 
 def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
     overrides = ("draft=dflash",) if drafter == "dflash" else ()
-    draft_config = draft_config_for(target, cfg.model, config(chats, tmp_path, *overrides).draft)
+    draft = checks.draft_config(config(chats, tmp_path, *overrides).draft, checks.target_fields(target))
     distill = 0.5 if drafter.endswith("_distill") else 0.0
-    plain = DFlash2Module(target, draft_config.to_dict(), fused_head=False, distill=distill).cuda()
-    fast = DFlash2Module(
-        target, draft_config.to_dict(), fused_head=True, logits_chunk_rows=37, compile=True, distill=distill
-    ).cuda()
+    plain = DFlash2Module(target, draft, Objective(fused_head=False, distill=distill)).cuda()
+    fast_head = Objective(fused_head=True, logits_chunk_rows=37, distill=distill)
+    fast = DFlash2Module(target, draft, fast_head, compile=True).cuda()
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     with torch.no_grad():
         for p in plain.draft.parameters():
@@ -358,7 +358,7 @@ def test_training_blocks_are_what_decoding_computes(parts, sliding):
     if sliding:  # a window well under the chats' lengths, on the first of two layers
         layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=11)
         draft_config = draft_config.replace(**layers)
-    module = DFlash2Module(target, draft_config.to_dict())
+    module = DFlash2Module(target, draft_config)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     with torch.no_grad():  # random weights everywhere: the conv and selector are not at their inert init
         for p in module.draft.parameters():
@@ -387,7 +387,7 @@ def test_rounded_shapes_change_nothing_that_is_trained(parts):
     from dflash2.data.datamodule import BlockCollator
 
     cfg, target, draft_config, batch = parts
-    module = DFlash2Module(target, draft_config.to_dict())
+    module = DFlash2Module(target, draft_config)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     with torch.no_grad():
         for p in module.draft.parameters():
@@ -411,8 +411,7 @@ def test_rounded_shapes_change_nothing_that_is_trained(parts):
 
 def test_dflash_has_no_conv_or_selector(parts, chats, tmp_path):
     cfg = config(chats, tmp_path, "draft=dflash")
-    draft_config = draft_config_for(parts[1], cfg.model, cfg.draft)
-    module = DFlash2Module(parts[1], draft_config.to_dict())
+    module = DFlash2Module(parts[1], checks.draft_config(cfg.draft, checks.target_fields(parts[1])))
     names = [n for n, _ in module.draft.named_parameters()]
     assert not [n for n in names if "conv" in n or "selector" in n]
     assert module.hparams.draft_config["architectures"] == ["DFlashDraftModel"]
@@ -435,23 +434,20 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
     from dflash2.model import DFlash2DraftModel
     from dflash2.training.run import adopt_warm_start
 
-    cfg, target = parts[0], parts[1]
+    target = parts[1]
     layer_ids = sorted(random.sample(range(target.num_layers), 2))
-    dflash = draft_config_for(target, cfg.model, config(chats, tmp_path, "draft=dflash").draft)
+    dflash = checks.draft_config(config(chats, tmp_path, "draft=dflash").draft, checks.target_fields(target))
     saved = DFlash2DraftModel(dflash.replace(target_layer_ids=layer_ids))
     with torch.no_grad():
         for p in saved.parameters():
             p.normal_()
     saved.save_pretrained(tmp_path / "dflash")
 
-    warm = config(chats, tmp_path, f"draft.init_from={tmp_path / 'dflash'}", "draft.train_backbone=false")
+    warm = config(chats, tmp_path, f"module.init_from={tmp_path / 'dflash'}", "module.train_backbone=false")
     adopt_warm_start(warm)
-    assert list(warm.model.target_layer_ids) == layer_ids
-    from dflash2.target import TargetModel
-
-    target = TargetModel.from_config(warm.model)  # it captures the warm start's layers
-    draft_config = draft_config_for(target, warm.model, warm.draft)
-    module = DFlash2Module(target, draft_config.to_dict(), init_from=warm.draft.init_from, train_backbone=False)
+    assert list(warm.draft.target_layer_ids) == layer_ids
+    target, draft = load_target(warm)  # it captures the warm start's layers
+    module = DFlash2Module(target, draft, init_from=warm.module.init_from, train_backbone=False)
     assert module.hparams.draft_config["architectures"] == ["DFlash2DraftModel"]
     state = module.draft.state_dict()
     for name, tensor in saved.state_dict().items():
@@ -494,9 +490,9 @@ def test_init_std_draws_the_backbone_and_leaves_the_conv_and_selector_inert(part
     torch.manual_seed(seed)
     reference = DFlash2DraftModel(module.draft.config).state_dict()
     assert all(torch.equal(default[k], reference[k]) for k in reference)
-    with pytest.raises(ValueError, match="draft.init_std=0"):
+    with pytest.raises(ValueError, match="module.init_std=0"):
         module_for(parts, init_std=0.0)
-    with pytest.raises(ValueError, match="draft.init_std=0.02 initialises a drafter built from scratch"):
+    with pytest.raises(ValueError, match="module.init_std=0.02 initialises a drafter built from scratch"):
         module_for(parts, init_std=0.02, init_from="some/export")
 
 
@@ -504,12 +500,10 @@ def test_feature_scaling_equalises_the_layers_contributions(parts):
     """At the first step each target layer's features enter fc at one scale: fc's column block k is scaled by
     (1/rms_k) / mean_j(1/rms_j), rms_k measured here from the same batch's real tokens. Layers 1 and 3 of the tiny
     target differ ~50x in scale (the last layer is read after the final norm)."""
-    from dflash2.target import TargetModel
-
     _, _, draft_config, batch = parts
     layers = [1, 3]
-    target = TargetModel.load("tiny", target_layer_ids=layers)
-    module = DFlash2Module(target, draft_config.replace(target_layer_ids=layers).to_dict(), feature_scaling=True)
+    target = tiny_target(target_layer_ids=layers)
+    module = DFlash2Module(target, draft_config.replace(target_layer_ids=layers), feature_scaling=True)
     h = draft_config.hidden_size
     before = module.draft.fc.weight.detach().clone()
     module.on_train_batch_start(batch, 0)
@@ -532,7 +526,7 @@ def test_feature_scaling_equalises_the_layers_contributions(parts):
     assert spread(before) > 10 and spread(after) < 1.15, (spread(before), spread(after))
     module.on_train_batch_start(batch, 1)  # once only
     assert torch.equal(module.draft.fc.weight, after)
-    restored = DFlash2Module(target, draft_config.replace(target_layer_ids=layers).to_dict(), feature_scaling=True)
+    restored = DFlash2Module(target, draft_config.replace(target_layer_ids=layers), feature_scaling=True)
     restored.on_load_checkpoint({})  # a resumed run: its fc is the checkpoint's
     before = restored.draft.fc.weight.detach().clone()
     restored.on_train_batch_start(batch, 0)

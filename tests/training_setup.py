@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from dflash2.testing import tiny_target_path
 from dflash2.training import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +19,7 @@ def tiny_overrides(chats: Path, run_dir: Path, *overrides: str) -> list[str]:
         overrides = ("draft.selector_rank=8", "draft.selector_top_k=4", *overrides)
     return [
         "model=tiny",
+        f"model.path={tiny_target_path()}",
         "data=jsonl",
         f"data.path={chats}",
         "data.val_size=4",

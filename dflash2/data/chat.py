@@ -20,6 +20,7 @@ from typing import Any
 import datasets
 
 from dflash2 import bench
+from dflash2.manifest import tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -287,19 +288,6 @@ def _render_rows(batch: dict[str, list], tokenizer: Any, max_length: int) -> dic
     return out
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """Changes whenever the vocabulary, the merges, the special tokens or the chat template change."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # Calls with truncation=... rewrite the backend's truncation/padding state: not part of the identity.
-        state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
-        payload = json.dumps(state, sort_keys=True)
-    else:
-        payload = datasets.fingerprint.Hasher.hash(tokenizer)
-    payload += str(tokenizer.chat_template) + repr(sorted(tokenizer.all_special_tokens))
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
 def tokenize_conversations(
     conversations: datasets.Dataset,
     tokenizer: Any,
@@ -311,7 +299,8 @@ def tokenize_conversations(
     """Render every conversation (a cached `datasets.map`); keeps id, input_ids, loss_mask and drops chats left
     with nothing to train on after truncation. `source_key` identifies the conversations (file, size, limit)."""
     key = hashlib.sha256(
-        f"{source_key}|{tokenizer_fingerprint(tokenizer)}|{max_length}|v{RENDER_VERSION}".encode()
+        # The tokenizer as a drafter's manifest identifies it, and the template that renders the chats.
+        f"{source_key}|{tokenizer_hash(tokenizer)}|{tokenizer.chat_template}|{max_length}|v{RENDER_VERSION}".encode()
     ).hexdigest()[:16]
     cache = Path(cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "dflash2")
     cache.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import GenerationConfig
 
 from dflash2.data.chat import load_conversations
+from dflash2.groups import build
 from dflash2.progress import Progress
-from dflash2.target import TargetModel, TargetNotFoundError
+from dflash2.target import TargetModel, TargetNotFoundError, resolve_device
 
 
 def completed_ids(output: Path) -> set[str]:
@@ -164,11 +165,10 @@ class Dialogues:
 
 def generation_config(target: TargetModel, max_new_tokens: int, temperature: float, **kwargs: Any) -> GenerationConfig:
     """A full config, so a checkpoint's own sampling defaults (Qwen3: top_k 20, top_p 0.95) do not leak in."""
-    tokenizer, model = target.tokenizer, target.model
+    tokenizer = target.tokenizer
     if tokenizer.pad_token is None:  # some GGUF tokenizers come without one; the left padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token
-    eos = model.generation_config.eos_token_id
-    eos = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    eos = target.eos_token_ids
     sample = temperature > 0
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -218,9 +218,8 @@ def run(cfg: DictConfig) -> int:
     if not 0 <= cfg.shard_index < cfg.num_shards:
         raise SystemExit(f"shard_index={cfg.shard_index} must be in [0, num_shards={cfg.num_shards}); pass 0 .. n-1")
     torch.manual_seed(cfg.seed)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        target = TargetModel.from_config(cfg.model, device=device)
+        target = build(cfg.model, device=resolve_device(cfg.device))
     except TargetNotFoundError as e:
         raise SystemExit(str(e)) from None  # one sentence, no traceback
     conversations = load_conversations(cfg.input, limit=cfg.limit)  # input null = the packaged ShareGPT

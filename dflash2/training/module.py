@@ -16,24 +16,19 @@ import torch
 from torch.profiler import record_function
 from torchmetrics import Metric
 
-from dflash2.config import DFLASH_FIELDS, DFlash2Config
+from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
+from dflash2.config import DFlash2Config
+from dflash2.contract import DFLASH_FIELDS
 from dflash2.data.anchors import teacher_positions
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
-from dflash2.training.checks import check_training_knobs
-from dflash2.training.losses import (
-    block_targets,
-    draft_losses,
-    metric_tensors,
-    selector_alpha,
-    slot_weights,
-    summarise,
-    trained_slots,
-)
+from dflash2.training.checks import check_module_knobs
+from dflash2.training.losses import block_targets, draft_losses, metric_tensors, slot_weights, summarise, trained_slots
+from dflash2.training.recipe import Objective, Optim, as_dict
 
 log = logging.getLogger(__name__)
 
-# Parameters DFlash2 adds on top of a DFlash backbone: what `train_backbone=false` still trains.
+# Parameters DFlash2 adds on top of a DFlash backbone: what `module.train_backbone=false` still trains.
 HEAD_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")
 # Structural fields a warm start takes from the draft config, not from the loaded folder: every dflash_config
 # field but the target layers, which the folder's weights were trained on (adopt_warm_start makes the model use them).
@@ -66,37 +61,31 @@ class DraftMetrics(Metric):
 
 
 class DFlash2Module(L.LightningModule):
+    """configs/module: the drafter of `draft_config` (or warm-started from `init_from`) trained against `target` by
+    `objective` and `optim`. `init_std`, `feature_scaling` and `train_backbone` shape training only, never the
+    export; `compile` runs the drafter and the head's chunks under torch.compile (CUDA only)."""
+
     def __init__(
         self,
         target: torch.nn.Module,
-        draft_config: dict[str, Any],
+        draft_config: DFlash2Config,
+        objective: Objective | None = None,
+        optim: Optim | None = None,
         init_from: str | None = None,
         train_backbone: bool = True,
-        lr: float = 6e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_ratio: float = 0.04,
-        fused: bool | None = None,
-        loss_gamma: float | None = None,
-        selector_alpha: float = 1.0,
-        selector_warmup_steps: int = 0,
-        selector_ramp_steps: int = 0,
-        selector_detach: bool = False,
-        fused_head: bool = True,
-        logits_chunk_rows: int = 0,
         compile: bool = False,
         init_std: float | None = None,
         feature_scaling: bool = False,
-        distill: float = 0.0,
         manifest: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["target", "manifest"])
-        check_training_knobs(self.hparams)
+        self.save_hyperparameters(ignore=["target", "draft_config", "objective", "optim", "manifest"])
+        check_module_knobs(self.hparams)
         # Not a submodule: Lightning would otherwise save it, wrap it and hand it to the optimizer.
         object.__setattr__(self, "target", target)
+        self.objective, self.optim = objective or Objective(), optim or Optim()
         self.manifest = manifest or {}
-        config = DFlash2Config.from_dict(draft_config)
+        config = draft_config.replace(extra=dict(draft_config.extra))
         config.extra.pop(MANIFEST_KEY, None)  # a warm start's manifest described another run
         if init_from:
             overrides = {f: getattr(config, f) for f in WARM_START_FIELDS}
@@ -108,13 +97,16 @@ class DFlash2Module(L.LightningModule):
             if init_std is not None:
                 for linear in backbone_linears(self.draft):
                     torch.nn.init.normal_(linear.weight, std=init_std)
-        # What the checkpoint declares is the drafter actually built (a warm start may change layers/ids).
-        self.hparams["draft_config"] = self.draft.config.to_dict()
+        # Plain data, so that a checkpoint loads with weights_only=True; the drafter's is what was actually built (a
+        # warm start may change layers and ids).
+        self.hparams[CONFIG_KEY] = self.draft.config.to_dict()
+        self.hparams["objective"], self.hparams["optim"] = as_dict(self.objective), as_dict(self.optim)
         if not train_backbone:
             freeze_backbone(self.draft)
-        self.register_buffer("slot_weights", slot_weights(self.draft.config.block_size, loss_gamma), persistent=False)
+        weights = slot_weights(self.draft.config.block_size, self.objective.loss_gamma)
+        self.register_buffer("slot_weights", weights, persistent=False)
         slots, has_selector = self.draft.config.block_size - 1, self.draft.candidate_selector is not None
-        self.val_metrics = DraftMetrics(slots, has_selector, distill > 0)
+        self.val_metrics = DraftMetrics(slots, has_selector, self.objective.distill > 0)
         self.latest_metrics: dict[str, float] = {}
         # Until the first training step of a fresh run: a restored checkpoint clears it (on_load_checkpoint).
         self.scale_features_pending = feature_scaling
@@ -124,7 +116,7 @@ class DFlash2Module(L.LightningModule):
         # Here, not in on_*_start hooks: those run under inference mode, and a target moved there would hold
         # inference tensors that autograd refuses to save (its head is in the drafter's graph).
         self.target.to(self.trainer.strategy.root_device)
-        check_training_knobs(self.hparams, type(self.trainer.strategy).__name__)
+        check_module_knobs(self.hparams, type(self.trainer.strategy).__name__)
         self.compile_draft()
 
     def compile_draft(self) -> None:
@@ -142,7 +134,7 @@ class DFlash2Module(L.LightningModule):
     def target_pass(self, batch: dict[str, torch.Tensor]) -> Any:
         """The target's features of the batch (TargetOutput), with its final hidden states when distilling."""
         with record_function("target"):
-            final = self.hparams.distill > 0
+            final = self.objective.distill > 0
             # No attention mask: rows are right-padded (BlockCollator), so under causal attention no real token sees a
             # pad, and the pads' own features are never read (`known` hides them from every block). Without a mask
             # the target's SDPA runs its causal flash kernel and builds no [b, 1, L, L] mask.
@@ -194,18 +186,17 @@ class DFlash2Module(L.LightningModule):
                 cfg.vocab_size,
                 self.slot_weights,
                 self.draft.candidate_selector,
-                self.hparams.selector_detach,
-                fused=self.hparams.get("fused_head", True),
-                chunk_rows=self.hparams.logits_chunk_rows,
+                self.objective.selector_detach,
+                fused=self.objective.fused_head,
+                chunk_rows=self.objective.logits_chunk_rows,
                 compiled=self.compiled,
                 teacher=teacher,
-                distill=self.hparams.distill,
+                distill=self.objective.distill,
                 trained=batch.get("trained_slots"),
             )
 
     def current_selector_alpha(self) -> float:
-        h = self.hparams
-        return selector_alpha(self.global_step, h.selector_alpha, h.selector_warmup_steps, h.selector_ramp_steps)
+        return self.objective.alpha(self.global_step)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.draft_step(batch)
@@ -239,7 +230,7 @@ class DFlash2Module(L.LightningModule):
         self.val_metrics.reset()
         metrics = {k: v for k, v in metrics.items() if not _isnan(v)}
         if "loss_selector" in metrics or "loss_distill" in metrics:  # the objective, as training_step's `loss`
-            d = self.hparams.distill
+            d = self.objective.distill
             metrics["loss"] = (1 - d) * metrics["loss_ce"] + d * metrics.get("loss_distill", 0.0)
             metrics["loss"] += self.current_selector_alpha() * metrics.get("loss_selector", 0.0)
         # Already summed over ranks by the metric; sync_dist only averages identical values (and keeps Lightning quiet).
@@ -250,7 +241,7 @@ class DFlash2Module(L.LightningModule):
             if self.trainer.is_global_zero:  # a log line, so train.log has it: the progress bar is gone off a terminal
                 log.info("validation at step %d: %s", self.global_step, validation_line(metrics))
 
-    # ------------------------------------------------------------------ feature scaling (draft.feature_scaling)
+    # ------------------------------------------------------------------ feature scaling (module.feature_scaling)
     def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.scale_features_pending:
             self.scale_features_pending = False
@@ -285,44 +276,22 @@ class DFlash2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict[str, Any]:
-        from transformers import get_cosine_schedule_with_warmup
-
-        h = self.hparams
-        decay, no_decay = [], []
-        for name, p in self.draft.named_parameters():
-            if p.requires_grad:
-                # Norm gains and the conv's identity taps are the structure, not capacity: never shrunk.
-                (no_decay if p.dim() < 2 or name.endswith("base_kernel") else decay).append(p)
-        groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        # The fused step is one kernel over all tensors (CPU too): several times faster than the loop over them. But
-        # under *-mixed precision Lightning refuses to clip the gradients of an optimizer that could unscale them
-        # itself, so there the default is the multi-tensor (foreach) step.
-        fused = h.get("fused")
-        if fused is None:
-            fused = not str(self.trainer.precision).endswith("-mixed")
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), fused=fused)
         total = int(self.trainer.estimated_stepping_batches)
-        scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(h.warmup_ratio * total), total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return self.optim.build(self.draft.named_parameters(), self.trainer.precision, total)
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from dflash2.manifest import build_manifest
 
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("draft.")}
+        checkpoint["state_dict"] = drafter_state(checkpoint["state_dict"])
         extra = {k: v for k, v in self.manifest.items() if k not in ("identity", "data_source")}
         manifest = build_manifest(
             self.manifest.get("identity", {}), self.manifest.get("data_source", "unknown"), self.global_step, **extra
         )
-        checkpoint["dflash2"] = {
-            "manifest": manifest,
-            "metrics": dict(self.latest_metrics),
-            "step": int(self.global_step),
-        }
+        write_info(checkpoint, manifest, self.latest_metrics, self.global_step)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        info = checkpoint.get("dflash2") or {}
-        self.latest_metrics = dict(info.get("metrics") or {})
+        self.latest_metrics = dict(read_info(checkpoint).get("metrics") or {})
         self.scale_features_pending = False  # a resumed run's fc was scaled (or not) when it started
 
 
@@ -336,7 +305,7 @@ def validation_line(metrics: dict[str, float]) -> str:
 
 
 def backbone_linears(draft: DFlash2DraftModel) -> list[torch.nn.Linear]:
-    """fc and every layer's attention and MLP projections: what `draft.init_std` draws from N(0, init_std), as
+    """fc and every layer's attention and MLP projections: what `module.init_std` draws from N(0, init_std), as
     SpecForge and ModelOpt do. Not the conv's projection nor the selector: their inits are the contract's."""
     linears = [draft.fc]
     for layer in draft.layers:
@@ -354,8 +323,8 @@ def freeze_backbone(draft: DFlash2DraftModel) -> None:
         trainable += p.numel() if keep else 0
     if not trainable:
         raise ValueError(
-            "draft.train_backbone=false leaves nothing to train: this drafter has neither conv nor "
-            "selector (set draft.conv_kernel_size/selector_rank, or train_backbone=true)"
+            "module.train_backbone=false leaves nothing to train: this drafter has neither conv nor "
+            "selector (set draft.conv_kernel_size/selector_rank, or module.train_backbone=true)"
         )
 
 

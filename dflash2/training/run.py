@@ -19,8 +19,15 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash2.config import DFlash2Config
-from dflash2.training.checks import check_config, draft_config_from, warm_start_fields
-from dflash2.training.module import DFlash2Module, run_dir_of
+from dflash2.groups import build
+from dflash2.training.checks import (
+    check_config,
+    draft_config,
+    target_config_fields,
+    target_fields,
+    warm_start_fields,
+)
+from dflash2.training.module import run_dir_of
 from dflash2.training.resume import hydra_subdir
 
 log = logging.getLogger(__name__)
@@ -86,21 +93,25 @@ class LogTrainingProgress(Callback):
             self.bar = None
 
 
-def draft_config_for(target: Any, model_cfg: DictConfig, draft_cfg: DictConfig) -> DFlash2Config:
-    """The drafter of the `model` and `draft` groups for a loaded target (dflash2.training.checks.draft_config_from)."""
-    return draft_config_from(target.draft_config_fields(), model_cfg, draft_cfg)
-
-
 def adopt_warm_start(cfg: DictConfig) -> None:
-    """A warm start fixes the drafter's depth and the target layers it reads: the target must capture those."""
+    """A warm start fixes the drafter's depth and the target layers it reads: the draft group takes them."""
     with open_dict(cfg):
-        for key, value in warm_start_fields(cfg.draft).items():
-            current = cfg.model.get(key)
+        for key, value in warm_start_fields(cfg.module).items():
+            current = cfg.draft.get(key)
             if OmegaConf.is_config(current):
                 current = OmegaConf.to_object(current)
             if current is not None and current != value:
-                log.warning("model.%s=%s replaced by %s from draft.init_from", key, cfg.model[key], value)
-            cfg.model[key] = value
+                log.warning("draft.%s=%s replaced by %s from module.init_from", key, cfg.draft[key], value)
+            cfg.draft[key] = value
+
+
+def load_target(cfg: DictConfig) -> tuple[Any, DFlash2Config]:
+    """The target of the `model` group, capturing the layers the drafter reads, and the `draft` group's config for
+    it. The layers come from a first draft config built on the target's config.json alone (its default layer ids
+    depend on the target's depth); the config returned is built on the loaded target, whose modules' sizes win."""
+    planned = draft_config(cfg.draft, target_config_fields(cfg.model))
+    target = build(cfg.model, target_layer_ids=list(planned.target_layer_ids))
+    return target, draft_config(cfg.draft, target_fields(target))
 
 
 def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
@@ -121,42 +132,21 @@ def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
     return instantiate(cfg.logger, **kwargs)
 
 
-def build_data(cfg: DictConfig, target: Any, draft_config: DFlash2Config) -> Any:
-    from hydra.utils import instantiate
+def build_data(cfg: DictConfig, target: Any, draft: DFlash2Config) -> Any:
+    """The `data` group's DataModule for the drafter's blocks."""
+    # Plain containers: the datamodule's hyper-parameters go into every checkpoint, which must load weights_only.
+    return build(
+        cfg.data, tokenizer=target.tokenizer, block_size=draft.block_size, mask_token_id=draft.mask_token_id,
+        _recursive_=False, _convert_="all",
+    )  # fmt: skip
 
-    return instantiate(
-        cfg.data, tokenizer=target.tokenizer, block_size=draft_config.block_size, _recursive_=False, _convert_="all"
-    )
 
-
-def build_module(
-    target: Any, cfg: DictConfig, draft_config: DFlash2Config, manifest: dict[str, Any] | None = None
-) -> DFlash2Module:
-    """The LightningModule of the `draft` and `optim` groups (a warm start comes from `draft.init_from`)."""
-    d, o = cfg.draft, cfg.optim
-    return DFlash2Module(
-        target,
-        draft_config.to_dict(),
-        init_from=d.get("init_from"),
-        train_backbone=d.train_backbone,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        warmup_ratio=o.warmup_ratio,
-        fused=o.get("fused"),
-        loss_gamma=d.get("loss_gamma"),
-        selector_alpha=d.selector_alpha,
-        selector_warmup_steps=d.selector_warmup_steps,
-        selector_ramp_steps=d.selector_ramp_steps,
-        selector_detach=d.selector_detach,
-        fused_head=d.get("fused_head", True),
-        logits_chunk_rows=d.get("logits_chunk_rows") or 0,
-        compile=bool(d.get("compile")),
-        init_std=d.get("init_std"),
-        feature_scaling=bool(d.get("feature_scaling")),
-        distill=float(d.get("distill") or 0.0),
-        manifest=manifest,
-    )
+def build_module(target: Any, cfg: DictConfig, draft: DFlash2Config, manifest: dict[str, Any] | None = None) -> Any:
+    """The `module` group's LightningModule, with the `objective` and `optim` groups' objects."""
+    objective, optim = build(cfg.objective), build(cfg.optim)
+    # Partial, then called: Hydra would turn the dataclass arguments into configs if it passed them itself.
+    module = build(cfg.module, _partial_=True)
+    return module(target=target, draft_config=draft, objective=objective, optim=optim, manifest=manifest)
 
 
 def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]:
@@ -168,7 +158,6 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     from hydra.utils import instantiate
 
     from dflash2.manifest import target_identity
-    from dflash2.target import TargetModel
 
     started = time.time()
     check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
@@ -182,9 +171,8 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     run_dir = Path(cfg.run_dir).absolute()
     adopt_warm_start(cfg)
 
-    target = TargetModel.from_config(cfg.model)
-    draft_config = draft_config_for(target, cfg.model, cfg.draft)
-    datamodule = build_data(cfg, target, draft_config)
+    target, draft = load_target(cfg)
+    datamodule = build_data(cfg, target, draft)
     # Read, tokenized and split here, before the logger and its W&B run exist: bad data leaves no run to sync.
     datamodule.prepare_data()
     datamodule.setup("fit")
@@ -195,7 +183,7 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
         "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
         "run": cfg.task_name,
     }
-    module = build_module(target, cfg, draft_config, manifest)
+    module = build_module(target, cfg, draft, manifest)
 
     logger = build_logger(cfg, run_dir)
     configured = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]

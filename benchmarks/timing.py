@@ -1,4 +1,4 @@
-"""Timing and tables shared by the benchmark scripts (benchmarks/): medians after warm-up, as BENCHMARKS.md reports."""
+"""Timing and tables shared by the benchmark scripts: medians after warm-up, as BENCHMARKS.md reports."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""The training checkpoint's schema: what `DFlash2Module` writes into a Lightning checkpoint beside Lightning's own
+keys, and how the drafter is rebuilt from it (export.py, tests). Nothing else spells these keys.
+
+- `state_dict`: the drafter's tensors only, under `draft.` (the module keeps it as `self.draft`; the frozen target is
+  never saved), with the contract's names after the prefix.
+- `hyper_parameters.draft_config`: the drafter's `DFlash2Config.to_dict()`, as config.json will hold it.
+- `dflash2`: `{"manifest": ..., "metrics": the latest validation's, "step": the optimizer step}`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2.config import DFlash2Config, tensor_shapes
+from dflash2.model import DFlash2DraftModel, check_tensors
+
+PREFIX = "draft."
+CONFIG_KEY = "draft_config"
+INFO_KEY = "dflash2"
+
+
+def drafter_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The tensors a checkpoint keeps of a module's state: the drafter's."""
+    return {k: v for k, v in state_dict.items() if k.startswith(PREFIX)}
+
+
+def write_info(checkpoint: dict[str, Any], manifest: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+    checkpoint[INFO_KEY] = {"manifest": manifest, "metrics": dict(metrics), "step": int(step)}
+
+
+def read_info(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The `dflash2` entry ({} for a checkpoint written before it existed)."""
+    return checkpoint.get(INFO_KEY) or {}
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A .ckpt file as given; in a run dir `checkpoints/last.ckpt`, else the checkpoint with the highest step."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"ckpt_path {path} does not exist: pass a .ckpt file or a training run dir")
+    for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+        if candidate.is_file():
+            return candidate
+    found = sorted(path.glob("*.ckpt")) + sorted(path.glob("checkpoints/*.ckpt"))
+    if not found:
+        raise FileNotFoundError(f"no .ckpt under {path} or {path / 'checkpoints'}: pass the checkpoint file")
+
+    def step(p: Path) -> int:
+        m = re.search(r"step=(\d+)", p.name)
+        return int(m.group(1)) if m else -1
+
+    best = max(found, key=step)
+    if len(found) > 1 and step(best) < 0:
+        raise ValueError(
+            f"{path} holds several checkpoints and none is last.ckpt or names its step: pass one of "
+            f"{[p.name for p in found]} as ckpt_path"
+        )
+    return best
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """torch.load with the failure modes of a half-copied file turned into one clear message."""
+    path = Path(path)
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError:
+            # Lightning pickles hyper-parameters that may include OmegaConf nodes; it is the user's own file.
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # zip / pickle / EOF errors from a truncated or foreign file all mean the same here
+        reason = str(e).split(". ")[0]  # torch appends a paragraph of advice that says what we say below
+        raise ValueError(
+            f"{path}: cannot read the checkpoint ({type(e).__name__}: {reason}); the file is truncated "
+            "or not a Lightning checkpoint: re-copy it or point ckpt_path at another one"
+        ) from e
+
+
+def plain(obj: Any) -> Any:
+    """OmegaConf containers -> dicts/lists, so the config serialises as plain JSON."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra is a dependency
+        return obj
+    return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, DictConfig | ListConfig) else obj
+
+
+def draft_from_checkpoint(ckpt: dict[str, Any], where: Any = "checkpoint") -> DFlash2DraftModel:
+    """Build the drafter of a training checkpoint, refusing by name anything the contract would not serve."""
+    draft_config = (ckpt.get("hyper_parameters") or {}).get(CONFIG_KEY)
+    if draft_config is None:
+        raise ValueError(
+            f"{where}: hyper_parameters.{CONFIG_KEY} is missing; it was not written by dflash2's "
+            "training (which saves DFlash2Config.to_dict() there)"
+        )
+    try:
+        cfg = DFlash2Config.from_dict(plain(draft_config))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: hyper_parameters.{CONFIG_KEY} is invalid: {e}") from e
+    state = {k.removeprefix(PREFIX): v for k, v in (ckpt.get("state_dict") or {}).items() if k.startswith(PREFIX)}
+    if not state:
+        raise ValueError(f"{where}: state_dict holds no '{PREFIX}*' tensors; the drafter's weights are missing")
+    not_float = [
+        f"{k} ({getattr(v, 'dtype', type(v).__name__)})"
+        for k, v in state.items()
+        if not torch.is_tensor(v) or not v.is_floating_point()
+    ]
+    if not_float:
+        raise ValueError(
+            f"{where}: tensors {not_float} are not floating point; the checkpoint is corrupt or not a drafter's"
+        )
+    check_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()}, where)
+    # Build on the meta device and adopt the checkpoint's tensors: no random init, no second copy in memory.
+    with torch.device("meta"):
+        model = DFlash2DraftModel(cfg)
+    model.load_state_dict({k: state[k] for k in tensor_shapes(cfg)}, strict=True, assign=True)
+    model.rotary = type(model.rotary)(cfg)  # RoPE frequencies are a non-persistent buffer: recompute them for real
+    if on_meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+        raise RuntimeError(f"{on_meta} are not in the checkpoint and were left on the meta device (a dflash2 bug)")
+    return model

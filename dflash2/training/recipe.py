@@ -1,0 +1,88 @@
+"""The training recipe's two objects, one config group each: what the drafter learns (`objective`) and how it is
+optimised (`optim`). Both check their settings when built, so `train.py` refuses a bad one before anything loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dflash2.training.losses import selector_alpha
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """configs/objective: the losses of contract section 7 and how the head computes them."""
+
+    loss_gamma: float | None = None  # slot weight decay exp(-(k-1)/gamma); None = the published value for B
+    selector_alpha: float = 1.0  # the selector loss's weight ...
+    selector_warmup_steps: int = 0  # ... 0 for this many steps ...
+    selector_ramp_steps: int = 0  # ... then ramped linearly over this many
+    selector_detach: bool = False  # the selector's loss does not reach the backbone
+    distill: float = 0.0  # slot targets (1-distill)*onehot(gold) + distill*softmax(the target's logits there)
+    fused_head: bool = True  # the head in chunks, each chunk's CE gradient computed in the forward
+    logits_chunk_rows: int = 0  # slots per chunk of the fused head; 0 = as many as 1 GiB of fp32 logits holds
+
+    def __post_init__(self) -> None:
+        d = self.distill
+        if not (isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d <= 1):
+            raise ValueError(
+                f"objective.distill={d}: the share of the target's own distribution in each slot's target must be in "
+                "[0, 1] (0 = the gold token only, 1 = the target's softmax only)"
+            )
+        if self.loss_gamma is not None and not self.loss_gamma > 0:
+            raise ValueError(f"objective.loss_gamma={self.loss_gamma}: it must be > 0, or null for the published one")
+        for name in ("selector_warmup_steps", "selector_ramp_steps", "logits_chunk_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"objective.{name}={getattr(self, name)}: it must be >= 0")
+
+    def alpha(self, step: int) -> float:
+        """The selector loss's weight at optimizer step `step`."""
+        return selector_alpha(step, self.selector_alpha, self.selector_warmup_steps, self.selector_ramp_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    """configs/optim: AdamW with a cosine schedule after a linear warmup (contract section 7)."""
+
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = 0.04  # of the run's optimizer steps
+    fused: bool | None = None  # None = one fused AdamW kernel, except under *-mixed precision
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if not self.lr >= 0:
+            raise ValueError(f"optim.lr={self.lr}: it must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={list(self.betas)}: two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"optim.warmup_ratio={self.warmup_ratio}: the share of steps spent warming up, in [0, 1)")
+
+    def build(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], precision: str, total_steps: int):
+        """Lightning's `configure_optimizers` answer for the trainable parameters of a run of `total_steps`."""
+        from transformers import get_cosine_schedule_with_warmup
+
+        decay, no_decay = [], []
+        for name, p in named_parameters:
+            if p.requires_grad:
+                # Norm gains and the conv's identity taps are the structure, not capacity: never shrunk.
+                (no_decay if p.dim() < 2 or name.endswith("base_kernel") else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # The fused step is one kernel over all tensors (CPU too): several times faster than the loop over them. But
+        # under *-mixed precision Lightning refuses to clip the gradients of an optimizer that could unscale them
+        # itself, so there the default is the multi-tensor (foreach) step.
+        fused = not str(precision).endswith("-mixed") if self.fused is None else self.fused
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(self.warmup_ratio * total_steps), total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    """A recipe object as the plain dict a checkpoint's hyper-parameters hold (weights_only loads accept it)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}
