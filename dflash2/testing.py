@@ -65,3 +65,12 @@ def tiny_target(**kwargs: Any) -> Any:
     from dflash2.target import TargetModel
 
     return TargetModel.load(tiny_target_path(), **{"name": "tiny", "mask_token_id": TINY_MASK_TOKEN_ID} | kwargs)
+
+
+def tiny_draft_config(target: Any, **changes: Any) -> Any:
+    """A drafter's config for the tiny target, shaped as configs/quickstart/tiny.yaml shapes training's: one layer
+    over target layers [1, 2], blocks of 4; `changes` replace any field (the conv and selector parts, say)."""
+    from dflash2.config import DFlash2Config
+
+    shape = dict(num_hidden_layers=1, block_size=4, mask_token_id=TINY_MASK_TOKEN_ID, target_layer_ids=[1, 2])
+    return DFlash2Config(**(target.draft_config_fields() | shape | changes))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dflash2 import DFlash2Config, DFlash2DraftModel
+from dflash2 import DFlash2DraftModel
 from dflash2.evaluation import acceptance_stats, evaluate, read_tau_sim
 from dflash2.manifest import MANIFEST_KEY, build_manifest, target_identity
-from dflash2.testing import tiny_target, tiny_target_path
+from dflash2.testing import tiny_draft_config, tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,14 +27,7 @@ def tiny():
 def export_draft(target, folder, selector=True, manifest=None, tau_sim=None):
     """A random drafter for the `tiny` target, saved as an export folder (with a README metrics table)."""
     parts = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4) if selector else {}
-    cfg = DFlash2Config(
-        **target.draft_config_fields(),
-        num_hidden_layers=1,
-        block_size=4,
-        mask_token_id=3,
-        target_layer_ids=[1, 2],
-        **parts,
-    )
+    cfg = tiny_draft_config(target, **parts)
     if manifest is None:
         manifest = build_manifest(target_identity("tiny", target.config, target.tokenizer), "test", 0)
     cfg.extra[MANIFEST_KEY] = manifest
@@ -343,3 +336,11 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
     assert not pd.isna(table["tau_sim"][: len(drafters)]).any()  # the table itself keeps tau_sim for every drafter
     assert set(table["setting"][len(drafters) :]) == {"pld T=0 B=16"}
     plt.close(fig)
+
+
+def test_evaluation_and_regeneration_import_no_lightning():
+    """Decoding and regenerating need no training stack: importing them must not pull Lightning in."""
+    code = "import sys, dflash2.evaluation, dflash2.data.regenerate; print('lightning' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

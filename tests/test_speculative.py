@@ -5,12 +5,12 @@ import torch
 from fresh_forward import fresh_block_output
 from scipy.stats import chisquare
 
-from dflash2 import DFlash2Config, DFlash2DraftModel, kernels
+from dflash2 import DFlash2DraftModel, kernels
 from dflash2 import speculative as spec
 from dflash2.kernels import _backend
 from dflash2.lookup import PromptLookup
 from dflash2.target import TargetModel
-from dflash2.testing import tiny_target
+from dflash2.testing import tiny_draft_config, tiny_target
 
 DRAFT_KINDS = {
     "dflash": dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0),
@@ -34,13 +34,7 @@ def tiny():
 
 
 def make_draft(target, kind, block_size, seed, scale=0.2, **over):
-    fields = (
-        target.draft_config_fields()
-        | dict(num_hidden_layers=1, block_size=block_size, target_layer_ids=[1, 2], mask_token_id=3)
-        | DRAFT_KINDS[kind]
-        | over
-    )
-    draft = DFlash2DraftModel(DFlash2Config(**fields))
+    draft = DFlash2DraftModel(tiny_draft_config(target, block_size=block_size, **DRAFT_KINDS[kind] | over))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
