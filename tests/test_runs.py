@@ -230,6 +230,32 @@ def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatc
         train(cfg)
 
 
+@pytest.mark.parametrize("model", sorted(p.stem for p in (ROOT / "configs" / "quickstart").glob("*.yaml")))
+def test_a_models_quickstart_sizes_are_its_defaults(model):
+    """`python train.py model=<m>` runs with every setting of configs/quickstart/<m>.yaml (smollm2's: the CPU
+    quickstart), and an experiment replaces them."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    sizes = yaml.safe_load((ROOT / "configs" / "quickstart" / f"{model}.yaml").read_text())
+    assert sizes, f"configs/quickstart/{model}.yaml is empty"
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("train", overrides=[f"model={model}"]))
+        recipe = compose("train", overrides=[f"model={model}", "experiment=gpu_smollm2"])
+
+    def leaves(tree: dict, prefix: str = ""):
+        for key, value in tree.items():
+            yield from leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+
+    for key, value in leaves(sizes):
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, key
+    assert recipe.draft.block_size == 16 and recipe.task_name == "gpu_smollm2"
+
+
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))
 def test_draft_dflash_is_plain_dflash_under_every_experiment(experiment):
     # An experiment restating a head size would give the `draft=dflash` baseline a selector or a conv.
