@@ -145,7 +145,7 @@ class TargetModel(nn.Module):
         mask_token_id: int | None = None,
     ) -> TargetModel:
         """Load by hub id, local folder, GGUF file or None (the embedded SmolLM2); what the `model` group builds
-        (configs/model/*.yaml, `hydra.utils.instantiate(cfg.model, target_layer_ids=..., device=...)`).
+        (configs/model/*.yaml, `dflash2.groups.build(cfg.model, target_layer_ids=..., device=...)`).
 
         `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
         (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).

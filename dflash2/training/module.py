@@ -155,9 +155,8 @@ class DFlash2Module(L.LightningModule):
         with record_function("draft"):
             context = self.draft.fuse(features)
             context_positions = torch.arange(length, device=self.device).expand(b, length)
-            hidden = self.draft(
-                block_embeds, batch["block_positions"], context, context_positions, mask, block_size=cfg.block_size
-            )
+            # B is the drafter's own here: read inside the forward, a compiled graph holds it as a constant.
+            hidden = self.draft(block_embeds, batch["block_positions"], context, context_positions, mask)
         return hidden.view(b, n, cfg.block_size, -1)[:, :, 1:]
 
     def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:

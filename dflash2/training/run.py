@@ -115,8 +115,6 @@ def load_target(cfg: DictConfig) -> tuple[Any, DFlash2Config]:
 
 
 def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
-    from hydra.utils import instantiate
-
     if not cfg.get("logger") or not cfg.logger.get("_target_"):
         return False
     kwargs: dict[str, Any] = {}
@@ -129,7 +127,7 @@ def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
                 id_file.parent.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(uuid.uuid4().hex[:8])
             kwargs["id"] = id_file.read_text().strip()
-    return instantiate(cfg.logger, **kwargs)
+    return build(cfg.logger, **kwargs)
 
 
 def build_data(cfg: DictConfig, target: Any, draft: DFlash2Config) -> Any:
@@ -155,7 +153,6 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     `callbacks` are added to the configured ones (tests use this to look inside a run)."""
     import lightning as L
     from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import instantiate
 
     from dflash2.manifest import target_identity
 
@@ -186,10 +183,10 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     module = build_module(target, cfg, draft, manifest)
 
     logger = build_logger(cfg, run_dir)
-    configured = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]
+    configured = [build(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]
     if not logger:  # a learning-rate monitor without a logger is an error in Lightning
         configured = [c for c in configured if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
-    trainer = instantiate(
+    trainer = build(
         cfg.trainer, logger=logger, callbacks=configured + list(callbacks or []), default_root_dir=str(run_dir)
     )
     if trainer.logger and cfg.logger.get("_target_", "").endswith("WandbLogger") and trainer.is_global_zero:
