@@ -140,12 +140,12 @@ def tokenize(overrides: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     from dflash2.training import register_resolvers
-    from dflash2.training.run import build_data, load_target
+    from dflash2.training.run import build_data, target_and_draft
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    build_data(cfg, *load_target(cfg)).prepare_data()
+    build_data(cfg, *target_and_draft(cfg)).prepare_data()
 
 
 def main(argv: list[str]) -> None:

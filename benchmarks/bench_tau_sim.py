@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.WARNING)
 
-    from dflash2.training.run import adopt_warm_start, build_module, load_target
+    from dflash2.training.run import adopt_warm_start, build_module, target_and_draft
 
     cfg = compose_preset(
         args.preset,
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ],
     )
     adopt_warm_start(cfg)
-    target, draft = load_target(cfg)  # on the CPU, as the model group loads it
+    target, draft = target_and_draft(cfg)  # on the CPU, as the model group loads it
     module = build_module(target, cfg, draft)
     rows = []
     for file in sorted(args.sweep.rglob("results.json")):

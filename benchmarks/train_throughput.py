@@ -48,7 +48,7 @@ from dflash2.target import TargetModel
 from dflash2.testing import tiny_target_path
 from dflash2.training import DFlash2Module, checks
 from dflash2.training.run import build_module as build_train_module
-from dflash2.training.run import load_target, register_resolvers
+from dflash2.training.run import register_resolvers, target_and_draft
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RANGES = ("target", "block_mask", "draft", "losses")  # the record_function labels of DFlash2Module's forward
@@ -100,7 +100,7 @@ def build_target(
     preset: str, cfg: DictConfig, small: bool, device: torch.device, random_weights: bool = False
 ) -> TargetModel:
     if preset == "smollm2" and not random_weights:
-        return load_target(cfg)[0]  # as train.py loads it; setup() moves it to the device
+        return target_and_draft(cfg)[0]  # as train.py loads it; setup() moves it to the device
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from dflash2.attention import use_grouped_sdpa

@@ -51,7 +51,7 @@ def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int
     """The target of the `model` group, capturing the features of `layer_ids`, and its identity."""
     model = OmegaConf.to_container(cfg.model, resolve=True) | {"target_layer_ids": list(layer_ids)}
     target = load_target(json.dumps(model, sort_keys=True), str(device))
-    return target, target_identity(cfg.model.name, target.config, target.tokenizer)
+    return target, target_identity(target.name, target.config, target.tokenizer)
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:

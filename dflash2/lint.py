@@ -142,17 +142,15 @@ def _check_config(
     if review.faulty(*DIMS):
         return None, []
     v = review.values
-    skip = [
-        (CONV, "conv tensors", review.faulty(*CONV_FIELDS)),
-        (SELECTOR, "selector tensors", review.faulty(*SELECTOR_FIELDS)),
-        (FC, "fc.weight", review.faulty("target_layer_ids")),
-    ]
+    bad_conv, bad_selector = review.faulty(*CONV_FIELDS), review.faulty(*SELECTOR_FIELDS)
+    bad_ids = review.faulty("target_layer_ids")
     fields = {d: v[d] for d in DIMS if d != "num_target_layers"}
-    fields["num_features"] = 1 if skip[2][2] else len(v["target_layer_ids"])
-    if not skip[0][2]:
+    fields["num_features"] = 1 if bad_ids else len(v["target_layer_ids"])
+    if not bad_conv:
         fields |= dict(conv_kernel_size=v["conv_kernel_size"], conv_group_size=v["conv_group_size"])
-    if not skip[1][2]:
+    if not bad_selector:
         fields["selector_rank"] = v["selector_rank"]
+    skip = [(CONV, "conv tensors", bad_conv), (SELECTOR, "selector tensors", bad_selector), (FC, "fc.weight", bad_ids)]
     return fields, [(pattern, what) for pattern, what, faulty in skip if faulty]
 
 

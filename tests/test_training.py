@@ -15,14 +15,14 @@ from dflash2.testing import tiny_target
 from dflash2.training import DFlash2Module, checks, draft_losses, loss_gamma, slot_weights
 from dflash2.training.losses import fused_head, grouped_topk, plain_head, summarise
 from dflash2.training.recipe import Objective
-from dflash2.training.run import build_data, load_target
+from dflash2.training.run import build_data, target_and_draft
 
 
 @pytest.fixture(scope="module")
 def parts(chats: Path, tmp_path_factory: pytest.TempPathFactory):
     """Target, draft config and one training batch, shared by the in-process tests."""
     cfg = config(chats, tmp_path_factory.mktemp("run"))
-    target, draft_config = load_target(cfg)
+    target, draft_config = target_and_draft(cfg)
     data = build_data(cfg, target, draft_config)
     data.prepare_data()
     data.setup("fit")
@@ -446,7 +446,7 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
     warm = config(chats, tmp_path, f"module.init_from={tmp_path / 'dflash'}", "module.train_backbone=false")
     adopt_warm_start(warm)
     assert list(warm.draft.target_layer_ids) == layer_ids
-    target, draft = load_target(warm)  # it captures the warm start's layers
+    target, draft = target_and_draft(warm)  # it captures the warm start's layers
     module = DFlash2Module(target, draft, init_from=warm.module.init_from, train_backbone=False)
     assert module.hparams.draft_config["architectures"] == ["DFlash2DraftModel"]
     state = module.draft.state_dict()

@@ -6,7 +6,7 @@ from typing import Any
 
 from dflash2.training.losses import draft_losses, loss_gamma, selector_alpha, slot_weights, summarise
 from dflash2.training.module import DFlash2Module, DraftMetrics, freeze_backbone
-from dflash2.training.run import load_target, register_resolvers, train
+from dflash2.training.run import register_resolvers, target_and_draft, train
 
 
 def fsdp_strategy(**kwargs: Any) -> Any:
@@ -21,7 +21,7 @@ def fsdp_strategy(**kwargs: Any) -> Any:
 __all__ = [
     "DFlash2Module",
     "DraftMetrics",
-    "load_target",
+    "target_and_draft",
     "draft_losses",
     "freeze_backbone",
     "fsdp_strategy",

@@ -105,7 +105,7 @@ def adopt_warm_start(cfg: DictConfig) -> None:
             cfg.draft[key] = value
 
 
-def load_target(cfg: DictConfig) -> tuple[Any, DFlash2Config]:
+def target_and_draft(cfg: DictConfig) -> tuple[Any, DFlash2Config]:
     """The target of the `model` group, capturing the layers the drafter reads, and the `draft` group's config for
     it. The layers come from a first draft config built on the target's config.json alone (its default layer ids
     depend on the target's depth); the config returned is built on the loaded target, whose modules' sizes win."""
@@ -168,14 +168,14 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     run_dir = Path(cfg.run_dir).absolute()
     adopt_warm_start(cfg)
 
-    target, draft = load_target(cfg)
+    target, draft = target_and_draft(cfg)
     datamodule = build_data(cfg, target, draft)
     # Read, tokenized and split here, before the logger and its W&B run exist: bad data leaves no run to sync.
     datamodule.prepare_data()
     datamodule.setup("fit")
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "identity": target_identity(cfg.model.name, target.config, target.tokenizer),
+        "identity": target_identity(target.name, target.config, target.tokenizer),
         "target_path": target.source,
         "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
         "run": cfg.task_name,
