@@ -26,6 +26,9 @@
 # of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
+# and the 7,413 math and CodeI/O replies regenerated on 2026-12-03 (BENCHMARKS.md: at equal steps they lift the math
+# and code benches by 0.24-1.41 tau and cost the chat benches 0.06-0.33), trained on with EXTRA_DATA=WORK_DIR/math_codeio.jsonl:
+#   gunzip -c benchmarks/results/math_codeio_pld_h200_2026-12-03/math_codeio_regenerated.jsonl.gz > WORK_DIR/math_codeio.jsonl
 # Each bench's prompts load before anything else starts: without PyPI, copy ~/.cache/dflash2/bench in first.
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
