@@ -84,10 +84,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 def plain(obj: Any) -> Any:
     """OmegaConf containers -> dicts/lists, so the config serialises as plain JSON."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - hydra is a dependency
-        return obj
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
     return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, DictConfig | ListConfig) else obj
 
 
@@ -103,7 +101,7 @@ def draft_from_checkpoint(ckpt: dict[str, Any], where: Any = "checkpoint") -> DF
         cfg = DFlash2Config.from_dict(plain(draft_config))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: hyper_parameters.{CONFIG_KEY} is invalid: {e}") from e
-    state = {k.removeprefix(PREFIX): v for k, v in (ckpt.get("state_dict") or {}).items() if k.startswith(PREFIX)}
+    state = {k.removeprefix(PREFIX): v for k, v in drafter_state(ckpt.get("state_dict") or {}).items()}
     if not state:
         raise ValueError(f"{where}: state_dict holds no '{PREFIX}*' tensors; the drafter's weights are missing")
     not_float = [
