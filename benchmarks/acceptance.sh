@@ -17,8 +17,12 @@
 # gsm8k,humaneval,math500,sharegpt;mbpp,mtbench,alpaca), DRAFTERS (the drafters trained, swept and timed, default
 # dflash,dflash2,dflash2_warm; the warm start trains dflash too, its init), CHECK_ONLY=1 (tiny sizes for a CPU
 # rehearsal of the plumbing), EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated, e.g.
-# the regenerated replies to `python -m dflash2.data.sources` prompts; validation stays ShareGPT's), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the
-# grid or later, it still writes the summaries and JSON).
+# the regenerated replies to `python -m dflash2.data.sources` prompts; validation stays ShareGPT's), DFLASH_EXPORT (a
+# DFlash export the warm start loads instead of training DFlash here, e.g. the one kept in
+# benchmarks/results/dflash_full_schedule_h200_2026-12-03/export; `export.py check` runs on it before anything else),
+# PLD=0 (the grid without prompt lookup's sweeps, which are measured once for every drafter: at T=0 the greedy text
+# fixes them), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the grid or later,
+# it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
 # GPUs; the speed stage measures them alone.
@@ -137,6 +141,11 @@ grid() {  # grid DRAFT: spawn its sweeps, one per setting and group of benches
 }
 
 check_benches "${BENCHES[*]}" || { log "FAILED: a benchmark's prompts do not load (above)"; exit 1; }
+if [ -n "${DFLASH_EXPORT:-}" ] && [ ! -f "$W/exports/dflash.checked" ]; then  # checked now, before hours of work
+  mkdir -p "$W/exports" && rm -rf "$W/exports/dflash" && cp -r "$DFLASH_EXPORT" "$W/exports/dflash" &&
+    python export.py check="$W/exports/dflash" > "$W/export.dflash.log" 2>&1 && touch "$W/exports/dflash.checked" ||
+    { log "FAILED: DFLASH_EXPORT=$DFLASH_EXPORT does not pass export.py check (see $W/export.dflash.log)"; exit 1; }
+fi
 if stage regenerate; then regenerate; done_ regenerate; fi
 if stage train; then
   # Two trainings share a GPU well: each alone leaves it mostly idle (BENCHMARKS.md, training throughput).
@@ -149,7 +158,7 @@ if stage train; then
   done_ train
 fi
 if stage grid; then
-  for d in ${DRAFTERS//,/ } pld; do grid "$d"; done
+  for d in ${DRAFTERS//,/ } $([ "${PLD:-1}" = 0 ] || echo pld); do grid "$d"; done
   finish
   done_ grid
 fi

@@ -41,9 +41,10 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
     if cfg.use_selector:
         parts.append(f"candidate selector (rank {cfg.selector_rank}, top-{cfg.selector_top_k})")
     shape = f"{cfg.num_hidden_layers} draft layers, hidden size {cfg.hidden_size}" + "".join(f", {p}" for p in parts)
-    metrics = sorted((info.get("metrics") or {}).items())
+    metrics = sorted((info.get("metrics") or {}).items(), key=lambda kv: _metric_order(kv[0]))
     table = "\n".join(["| metric | value |", "|---|---|"] + [f"| `{k}` | {_number(v)} |" for k, v in metrics])
-    front = ["library_name: dflash2", f"tags: [speculative-decoding, dflash, {kind.lower()}]"]
+    tags = ", ".join(dict.fromkeys(["speculative-decoding", "dflash", kind.lower()]))  # a DFlash drafter: one dflash
+    front = ["library_name: dflash2", f"tags: [{tags}]"]
     front += [f"base_model: {manifest['target']}"] if manifest.get("target") else []
     return f"""---
 {chr(10).join(front)}
@@ -92,6 +93,12 @@ vllm serve {served} \\
 
 Check the folder against the DFlash2 contract with `python export.py check=<this folder>`.
 """
+
+
+def _metric_order(name: str) -> tuple[str, int]:
+    """`val/acc_2` before `val/acc_10`: slots in their order, the other metrics by name."""
+    stem, _, slot = name.rpartition("_")
+    return (stem, int(slot)) if slot.isdigit() else (name, -1)
 
 
 def _number(v: Any) -> str:

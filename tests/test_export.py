@@ -255,6 +255,19 @@ def test_the_model_card_serves_the_target_that_training_loaded(tmp_path):
     assert "--model-path /models/SmolLM2-135M-Instruct " in card and "vllm serve /models/SmolLM2-135M-Instruct " in card
 
 
+@pytest.mark.parametrize("conv", [False, True])
+def test_the_model_card_tags_its_kind_once_and_lists_the_slots_in_order(conv):
+    from dflash2.export import model_card
+
+    slots = torch.randperm(12).tolist()  # the metrics arrive in any order
+    metrics = {f"val/acc_{k + 1}": 0.5 for k in slots} | {"val/tau_sim": 2.0, "val/loss_ce": 3.0}
+    card = model_card(tiny_config(conv=conv, selector=conv), {"metrics": metrics})
+    tags = next(line for line in card.splitlines() if line.startswith("tags:"))
+    assert tags == ("tags: [speculative-decoding, dflash, dflash2]" if conv else "tags: [speculative-decoding, dflash]")
+    listed = [line.split("`")[1] for line in card.splitlines() if line.startswith("| `val/acc_")]
+    assert listed == [f"val/acc_{k}" for k in range(1, 13)]
+
+
 def test_find_checkpoint_prefers_last_then_the_highest_step(tmp_path):
     run = tmp_path / "run" / "checkpoints"
     run.mkdir(parents=True)
