@@ -19,7 +19,7 @@ MANIFEST_KEY = "dflash2_manifest"
 # Keys that change with the library version, the download path or the load dtype, not with the model.
 VOLATILE_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype"})
 # A different value in any of these means the drafter was trained for another model.
-IDENTITY_FIELDS = ("target_config_hash", "tokenizer_hash")
+IDENTITY_FIELDS = ("target_config_hash", "vocab_hash")
 
 
 def _sha256(obj: Any) -> str:
@@ -42,8 +42,16 @@ def config_hash(hf_config: Any) -> str:
     return _sha256(_stable(d))
 
 
+def vocab_hash(tokenizer: Any) -> str:
+    """sha256 of the vocabulary, token -> id, added tokens included: what decides which id means what, hence all that
+    pairs a drafter with a tokenizer. Not the special tokens' roles: transformers releases have converted one file
+    with different ones (SmolLM2's GGUF got <|im_start|> as eos from 5.17), and a drafter proposes the same ids."""
+    return _sha256({"vocab": sorted(tokenizer.get_vocab().items())})
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
-    """sha256 of the vocabulary (token -> id) and the special tokens: what decides which id means what."""
+    """sha256 of the vocabulary and the special tokens: what rendering a chat into ids depends on (the data cache's
+    key). Manifests written before 2026-12-03 carry it as their identity; `check_manifest` reads `vocab_hash` now."""
     vocab = sorted(tokenizer.get_vocab().items())
     special = getattr(tokenizer, "special_tokens_map", None) or {}
     return _sha256({"vocab": vocab, "special": special})
@@ -55,7 +63,7 @@ def target_identity(name: str, hf_config: Any, tokenizer: Any) -> dict[str, Any]
     return {
         "target": name,
         "target_config_hash": config_hash(hf_config),
-        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "vocab_hash": vocab_hash(tokenizer),
         "chat_template_hash": None if template is None else _sha256(template),
     }
 

@@ -436,12 +436,39 @@ def _gguf_path(path: str, gguf_file: str, kwargs: dict[str, Any]) -> Path:
     return Path(hub.hf_hub_download(path, gguf_file, **kwargs))
 
 
+# Bumped when `_dequantized` builds its folder differently, so that folders built before are built again.
+GGUF_FOLDER_VERSION = 2  # 2: the special tokens as the GGUF states them
+
+
+def gguf_special_tokens(gguf: Path) -> dict[str, str]:
+    """bos/eos/unk/pad as the GGUF file's `tokenizer.ggml.*_token_id` fields state them. transformers' converter has
+    not always read them so (5.17 made SmolLM2's eos <|im_start|>; 5.24 reads <|im_end|>), and a target folder must
+    not depend on the release that built it."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    roles = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+    ids = {role: fields.get(f"tokenizer.ggml.{key}_token_id") for role, key in roles.items()}
+    return {role: tokens[int(field.contents())] for role, field in ids.items() if field is not None}
+
+
+def gguf_tokenizer(gguf: Path) -> Any:
+    """The tokenizer of a GGUF file, with its special tokens as the file states them (`gguf_special_tokens`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for role, token in gguf_special_tokens(gguf).items():
+        setattr(tokenizer, role, token)
+    return tokenizer
+
+
 def _dequantized(gguf: Path) -> Path:
     """A transformers folder holding `gguf` dequantized to fp32 (exact), built on first use and reused."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     def build(tmp: Path) -> None:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = gguf_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are dense now; a leftover GGUF quantization_config would make the next load re-quantize.
         del model.config.quantization_config
@@ -450,7 +477,8 @@ def _dequantized(gguf: Path) -> Path:
         tokenizer.save_pretrained(tmp)
 
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{GGUF_FOLDER_VERSION}"
+    key = hashlib.sha1(key.encode()).hexdigest()[:12]
     return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{key}", build)
 
 

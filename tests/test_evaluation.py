@@ -148,7 +148,7 @@ def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path,
 
 
 def test_a_draft_for_another_target_is_refused(tiny, tmp_path):
-    identity = target_identity("tiny", tiny.config, tiny.tokenizer) | {"target": "other", "tokenizer_hash": "0" * 64}
+    identity = target_identity("tiny", tiny.config, tiny.tokenizer) | {"target": "other", "vocab_hash": "0" * 64}
     draft = export_draft(tiny, tmp_path / "draft", manifest=build_manifest(identity, "test", 0))
     with pytest.raises(ValueError, match="trained for .*'other'"):
         evaluate(config(f"drafter={draft}", "bench.limit=1"), tmp_path / "run")

@@ -317,11 +317,31 @@ def test_manifest_round_trips_and_refuses_another_target(tmp_path, caplog):
     check_manifest(manifest, target_identity("moved/copy", config, tok))
     with pytest.raises(ValueError, match="target_config_hash"):
         check_manifest(manifest, target_identity("tiny/target", *tiny_target(layers=7)))
-    with pytest.raises(ValueError, match="tokenizer_hash"):
+    with pytest.raises(ValueError, match="vocab_hash"):
         check_manifest(manifest, target_identity("tiny/target", *tiny_target(extra_token="<new>")))
     with caplog.at_level(logging.WARNING, logger="dflash2.manifest"):
         check_manifest(None, identity)
     assert "dflash2_manifest" in caplog.text
+
+
+def test_the_identity_is_the_vocabulary_not_the_special_tokens_roles(caplog):
+    config, tok = tiny_target()
+    identity = target_identity("tiny/target", config, tok)
+    manifest = build_manifest(identity, data_source="sharegpt", steps=1)
+    other_roles = tiny_target()[1]
+    other_roles.eos_token, other_roles.pad_token = "t7", "t8"  # same ids, other roles: the same drafter fits
+    check_manifest(manifest, target_identity("tiny/target", config, other_roles))
+    swapped = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({**tok.get_vocab(), "t1": 2, "t2": 1}, unk_token="<unk>")),
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+    )  # two ids trade tokens: the drafter would propose the wrong ones
+    with pytest.raises(ValueError, match="vocab_hash"):
+        check_manifest(manifest, target_identity("tiny/target", config, swapped))
+    legacy = {k: v for k, v in manifest.items() if k != "vocab_hash"} | {"tokenizer_hash": "0" * 64}
+    with caplog.at_level(logging.WARNING, logger="dflash2.manifest"):
+        check_manifest(legacy, identity)  # written before vocab_hash: loads, with the unchecked part named
+    assert "vocab_hash" in caplog.text
 
 
 # ---------------------------------------------------------------------- CLI

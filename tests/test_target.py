@@ -272,6 +272,33 @@ def test_embedded_smollm2_loads():
     assert out.hidden.shape == (1, 6, 576 * 2)
 
 
+def test_the_embedded_tokenizer_takes_its_special_tokens_from_the_gguf(monkeypatch):
+    """Whatever roles transformers' converter gives (5.17 made <|im_start|> SmolLM2's eos and set no pad), the folder
+    gets the ids the GGUF states; the vocabulary, hence the drafter's identity, is the converter's."""
+    import transformers
+
+    from dflash2.manifest import vocab_hash
+    from dflash2.target import _smollm2_gguf, gguf_special_tokens, gguf_tokenizer
+
+    gguf = _smollm2_gguf()
+    stated = gguf_special_tokens(gguf)
+    assert stated == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+                      "pad_token": "<|im_end|>"}  # fmt: skip
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def converted_as_5_17(*args, **kwargs):
+        tokenizer = load(*args, **kwargs)
+        tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", converted_as_5_17)
+    tokenizer = gguf_tokenizer(gguf)
+    assert {role: getattr(tokenizer, role) for role in stated} == stated
+    assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 2
+    monkeypatch.undo()
+    assert vocab_hash(tokenizer) == vocab_hash(load(gguf.parent, gguf_file=gguf.name))
+
+
 def write_sharegpt(path: Path) -> None:
     records = [
         {
