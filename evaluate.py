@@ -16,7 +16,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from dflash2.evaluation import main as run
-    from dflash2.target import TargetNotFoundError
+    from dflash2.locate import TargetNotFoundError
 
     try:
         run(cfg, HydraConfig.get().runtime.output_dir)

