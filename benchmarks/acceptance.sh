@@ -51,7 +51,7 @@ eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
   regen_args=(max_new_tokens=8 batch_size=8) STEPS=4 VAL=2 LIMIT=${LIMIT_CHECK:-48}
   train_args+=(trainer=cpu model.dtype=float32 data.max_length=256 data.max_anchors=8
-    data.val_size=8 data.num_workers=0 draft.num_hidden_layers=1)
+    data.val_size=8 data.num_workers=0 data.batch_size=4 draft.num_hidden_layers=1)
   eval_args=(bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi
 log() { echo "[$(date +%T)] $*"; }
