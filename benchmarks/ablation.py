@@ -32,16 +32,19 @@ VARIANTS: dict[str, list[str]] = {
     "layers3": ["draft.num_hidden_layers=3", "draft.target_layer_ids=[1,14,27]"],
     "layers5": ["draft.num_hidden_layers=5", "draft.target_layer_ids=[1,8,14,20,27]"],
     "layers8": ["draft.num_hidden_layers=8", "draft.target_layer_ids=[1,5,8,12,16,20,23,27]"],
+    "dpace": ["objective.position_weights=dpace"],
     "distill1": ["objective.distill=1.0"],
     "distill05": ["objective.distill=0.5"],
     "selector_alpha05": ["objective.selector_alpha=0.5"],
     "selector_ramp": ["objective.selector_ramp_steps=600"],
     "batch4": ["data.batch_size=4"],  # the recipe's batch before 2026-12-02
     "dflash": ["draft=dflash"],
+    # The warm start: only the conv and the selector train, on the DFlash export that ablation.sh's DFLASH_EXPORT names.
+    "warm": ["module.init_from=@DFLASH_EXPORT@", "module.train_backbone=false"],
 }
 BASELINE, PLD = "dflash2", "pld"
 EXPERIMENT = Path(__file__).resolve().parents[1] / "configs" / "experiment" / "gpu_smollm2.yaml"
-VAL_METRICS = ("tau_sim", "acc_1", "acc_2", "loss_ce")  # and the last slot's acc_k (acc_15 at block 16)
+VAL_METRICS = ("tau_sim", "acc_1", "acc_2", "loss_ce", "loss_distill")  # and the last slot's acc_k (acc_15 at block 16)
 
 
 def chosen(names: str | None) -> dict[str, list[str]]:
@@ -154,6 +157,9 @@ def main(argv: list[str]) -> None:
         for name, overrides in chosen(args[2] if len(args) > 2 else None).items():
             print(name, *schedule(overrides, int(args[0]), int(args[1])), *overrides)
     elif command == "tokenize":
+        # Run as a script, this folder leads sys.path, and its kernels.py would shadow the `kernels` package that
+        # transformers probes for when it loads a model.
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
         tokenize(args)
     elif command == "table" and args:
         work_dir = Path(args[0])

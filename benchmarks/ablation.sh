@@ -10,7 +10,8 @@
 #
 #   bash benchmarks/ablation.sh WORK_DIR            # e.g. /root/ablation; rerun to resume
 #
-# Env: STEPS (the baseline's optimizer steps, 300; a variant with another data.batch_size takes the steps that see as
+# Env: EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated; validation stays ShareGPT's),
+# DFLASH_EXPORT (the DFlash export the `warm` variant starts from; `export.py check` vets it first), STEPS (the baseline's optimizer steps, 300; a variant with another data.batch_size takes the steps that see as
 # many conversations), VAL (validate and checkpoint every VAL baseline steps, 75), JOBS (runs sharing
 # the GPU, 4), VARIANTS (comma-separated names, default all; see `python benchmarks/ablation.py variants`), BENCHES
 # (gsm8k,humaneval,sharegpt), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
@@ -22,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/lib.sh
 W=$(realpath -m "${1:?usage: bash benchmarks/ablation.sh WORK_DIR}")
-STEPS=${STEPS:-300} VAL=${VAL:-75} JOBS=${JOBS:-4} BENCHES=${BENCHES:-gsm8k,humaneval,sharegpt}
+STEPS=${STEPS:-300} VAL=${VAL:-75} JOBS=${JOBS:-4} BENCHES=${BENCHES:-gsm8k,humaneval,math500,mtbench}
 DATA=$W/smollm2.jsonl CACHE=$W/data_cache
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false trainer.max_epochs=1000)
 eval_args=(temperature=0 block_size=16 bench.limit=100 batch_size=100 wandb.enabled=false)
@@ -33,6 +34,7 @@ if [ -n "${CHECK_ONLY:-}" ]; then
   eval_args=(temperature=0 block_size=16 bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi
 train_args+=(data.path="$DATA" data.cache_dir="$CACHE")
+if [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
 mkdir -p "$W/exports" "$W/sweeps" && rm -f "$W/failed"
 log() { echo "[$(date +%T)] $*"; }
 descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do descendants "$c"; echo "$c"; done; }
@@ -79,6 +81,12 @@ evaluate() {  # evaluate NAME DRAFT: one sweep over the benches; Hydra keeps the
 variant() { train "$@" && evaluate "$1" "$W/exports/$1"; }
 
 variants=$(python benchmarks/ablation.py variants "$STEPS" "$VAL" "${VARIANTS:-}") || exit 1
+if [[ "$variants" == *@DFLASH_EXPORT@* ]]; then  # checked now, before any training
+  [ -n "${DFLASH_EXPORT:-}" ] || { log "FAILED: the warm variant needs DFLASH_EXPORT=<a DFlash export folder>"; exit 1; }
+  python export.py check="$DFLASH_EXPORT" > "$W/export.dflash_init.log" 2>&1 ||
+    { log "FAILED: DFLASH_EXPORT=$DFLASH_EXPORT does not pass export.py check (see $W/export.dflash_init.log)"; exit 1; }
+  variants=${variants//@DFLASH_EXPORT@/$(realpath "$DFLASH_EXPORT")}
+fi
 if [ ! -f "$DATA" ]; then
   gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz > "$DATA.tmp"
   mv "$DATA.tmp" "$DATA"

@@ -69,7 +69,7 @@ def test_head_outputs_are_the_selectors_candidates():
     sel = CandidateSelector(h, v, rank=8, top_k=8, output_multiplier=0.7, final_logit_softcapping=5.0)
     head, hidden = torch.randn(v, h), torch.randn(n, h)
     labels = torch.randint(0, v, (n,))
-    for out in (plain_head(hidden, labels, torch.ones(n), head, 8), fused_head(hidden, labels, torch.ones(n), head, 8)):
+    for out in (plain_head(hidden, labels, head, 8), fused_head(hidden, labels, head, 8)):
         ref_cand, ref_unary = sel.compute_candidates(hidden, head)
         assert torch.equal(out.cand, ref_cand) and torch.allclose(softcap(out.vals * 0.7, 5.0), ref_unary)
         assert torch.equal(out.pred, ref_cand[:, 0])
@@ -95,15 +95,17 @@ def test_fused_head_matches_the_plain_head_in_loss_and_gradients(dtype, soft):
     chunk_rows = int(torch.randint(5, 30, (), generator=gen))
     results = []
     for out in (
-        plain_head(hidden, labels, weights, head, k, teacher, distill),
-        fused_head(hidden, labels, weights, head, k, chunk_rows, teacher=teacher, distill=distill),
+        plain_head(hidden, labels, head, k, teacher, distill),
+        fused_head(hidden, labels, head, k, chunk_rows, teacher=teacher, distill=distill),
     ):
-        # Each part on its own: the top-K values' gradient is the larger and would hide an error in the loss's.
-        (grad_loss,) = torch.autograd.grad(out.loss * g_loss, hidden, retain_graph=True)
+        # The rows weighted as the objective weighs them; each part's gradient on its own: the top-K values' is the
+        # larger and would hide an error in the loss's.
+        loss = (out.rows * weights).sum()
+        (grad_loss,) = torch.autograd.grad(loss * g_loss, hidden, retain_graph=True)
         (grad_vals,) = torch.autograd.grad((out.vals.float() * g_vals).sum(), hidden)
-        results.append((out, (grad_loss, grad_vals)))
-    (plain, g_plain), (fused, g_fused) = results
-    assert torch.allclose(fused.loss, plain.loss, rtol=1e-3 if dtype == torch.bfloat16 else 1e-5)
+        results.append((out, loss, (grad_loss, grad_vals)))
+    (plain, plain_loss, g_plain), (fused, fused_loss, g_fused) = results
+    assert torch.allclose(fused_loss, plain_loss, rtol=1e-3 if dtype == torch.bfloat16 else 1e-5)
     assert torch.allclose(fused.ce_rows, plain.ce_rows, rtol=1e-5, atol=1e-5)
     if soft:
         assert torch.allclose(fused.soft_rows, plain.soft_rows, rtol=1e-5, atol=1e-5)
@@ -113,7 +115,7 @@ def test_fused_head_matches_the_plain_head_in_loss_and_gradients(dtype, soft):
         assert torch.allclose(plain.soft_rows, soft_rows, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(soft_rows, plain.ce_rows, rtol=0.1)
         mixed = ((1 - distill) * plain.ce_rows + distill * soft_rows) @ weights
-        assert torch.allclose(plain.loss, mixed, rtol=1e-5)
+        assert torch.allclose(plain_loss, mixed, rtol=1e-5)
     else:
         assert fused.soft_rows is None and plain.soft_rows is None
     assert torch.equal(fused.pred, plain.pred) and torch.allclose(fused.vals.float(), plain.vals.float())
@@ -153,10 +155,10 @@ def test_fused_head_without_grad_and_without_top_k():
     v, h, n = 200, 16, 33
     head, hidden, labels = torch.randn(v, h), torch.randn(n, h), torch.randint(0, v, (n,))
     with torch.no_grad():
-        out = fused_head(hidden.requires_grad_(), labels, torch.full((n,), 1 / n), head, 0, chunk_rows=10)
-    ref = plain_head(hidden, labels, torch.full((n,), 1 / n), head, 0)
-    assert out.vals is None and out.cand is None and not out.loss.requires_grad
-    assert torch.allclose(out.loss, ref.loss.detach()) and torch.equal(out.pred, ref.pred)
+        out = fused_head(hidden.requires_grad_(), labels, head, 0, chunk_rows=10)
+    ref = plain_head(hidden, labels, head, 0)
+    assert out.vals is None and out.cand is None and not out.rows.requires_grad
+    assert torch.allclose(out.rows, ref.rows.detach()) and torch.equal(out.pred, ref.pred)
 
 
 def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
@@ -541,11 +543,12 @@ def test_distill_zero_is_the_hard_label_loss_exactly(parts):
     head, teacher = torch.randn(v, h, generator=gen), torch.randn(n, h, generator=gen)
     hidden = torch.randn(n, h, generator=gen, requires_grad=True)
     labels, weights = torch.randint(0, v, (n,), generator=gen), torch.rand(n, generator=gen)
-    for run in (lambda *a: plain_head(*a), lambda *a: fused_head(*a[:5], 13, False, *a[5:])):
+    for run in (lambda *a: plain_head(*a), lambda *a: fused_head(*a[:4], 13, False, *a[4:])):
         results = []
         for args in ((), (teacher, 0.0)):
-            out = run(hidden, labels, weights, head, k, *args)
-            results.append((out.loss, *torch.autograd.grad(out.loss + out.vals.sum(), hidden)))
+            out = run(hidden, labels, head, k, *args)
+            loss = (out.rows * weights).sum()
+            results.append((loss, *torch.autograd.grad(loss + out.vals.sum(), hidden)))
         assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     module = module_for(parts)
     assert module.target_pass(parts[3]).final_hidden is None

@@ -9,6 +9,15 @@ t = (1 - d) onehot(gold) + d softmax(target logits at a + k - 1), the target's o
 a + k: the head's loss is then sum_v -t_v log p_v = (1 - d) CE_hard + d CE_soft. The teacher logits are the same
 frozen head applied to the target's final hidden state there, computed chunk by chunk beside the drafter's.
 
+Position weights. Each trained slot's loss is weighted, and the weights normalised to sum to 1 over the batch:
+- `decay` (the published recipe): w_k = exp(-(k-1)/gamma), fixed.
+- `dpace` (D-PACE, arXiv 2605.18810): from the drafter's own confidence q_k = exp(-CE_k) on each slot's gold,
+  smoothed to q~_k = alpha + (1 - alpha) q_k, a slot weighs w_k = sum_{m >= k} prod_{j <= m} q~_j: the chance that
+  decoding reaches slot k times the length it can still add, a surrogate of the expected accepted length that moves
+  the training signal to the slots that currently limit acceptance. The weights are detached: they reshape the credit,
+  never add a gradient. A slot that is not trained neither counts in the products nor gets a weight.
+The metrics' `loss_ce` and `loss_selector` always use the `decay` weights, so that runs with other weightings compare.
+
 `acc_k` and `tau_sim` score what decoding proposes, teacher-forced: the head's argmax for a DFlash drafter, the
 selector's pick given the gold predecessor for a DFlash2 one (its walk, not the argmax, makes the proposal, so an
 argmax-based tau_sim would mis-predict the served tau). A DFlash2 drafter's argmax path, i.e. what it proposes
@@ -53,6 +62,17 @@ def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
 
 
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE weights [..., S] of the S proposing slots of each block (module docstring), from the drafter's confidence
+    [..., S] on each slot's gold and which slots are trained; 0 where a slot is not trained. Detached."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"objective.dpace_alpha={alpha}: it must be in (0, 1] (0 lets the products vanish)")
+    with torch.no_grad():
+        smoothed = torch.where(valid, alpha + (1 - alpha) * confidence.float(), torch.ones_like(confidence.float()))
+        reach = torch.cumprod(smoothed, -1) * valid  # prod_{j <= m} q~_j, the slots that are trained
+        return reach.flip(-1).cumsum(-1).flip(-1) * valid  # sum over m >= k
+
+
 def selector_alpha(step: int, alpha: float, warmup_steps: int = 0, ramp_steps: int = 0) -> float:
     """0 for `warmup_steps`, then a linear ramp over `ramp_steps` to `alpha`."""
     if step < warmup_steps:
@@ -74,11 +94,11 @@ class DraftLosses:
 
 @dataclasses.dataclass
 class HeadOut:
-    """One pass of the target head over the trained rows: the weighted loss (with grad), the per-row hard-label CE
-    (detached), the argmax, with a teacher the per-row soft CE (detached), and, with a selector, the top-K logits
-    (with grad) and their ids."""
+    """One pass of the target head over the trained rows: each row's loss (with grad; the caller weights them), the
+    per-row hard-label CE (detached), the argmax, with a teacher the per-row soft CE (detached), and, with a selector,
+    the top-K logits (with grad) and their ids."""
 
-    loss: torch.Tensor
+    rows: torch.Tensor
     ce_rows: torch.Tensor
     pred: torch.Tensor
     vals: torch.Tensor | None = None
@@ -89,7 +109,6 @@ class HeadOut:
 def plain_head(
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    row_weights: torch.Tensor,
     lm_head_weight: torch.Tensor,
     top_k: int,
     teacher: torch.Tensor | None = None,
@@ -105,7 +124,7 @@ def plain_head(
         soft_rows = -(target * torch.log_softmax(logits, -1)).sum(-1)
         rows = (1 - distill) * ce_rows + distill * soft_rows
         soft_rows = soft_rows.detach()
-    out = HeadOut((rows * row_weights).sum(), ce_rows.detach(), logits.argmax(-1), soft_rows=soft_rows)
+    out = HeadOut(rows, ce_rows.detach(), logits.argmax(-1), soft_rows=soft_rows)
     if top_k:
         out.vals, out.cand = logits.topk(top_k, dim=-1)
     return out
@@ -132,14 +151,13 @@ def grouped_topk(scores: torch.Tensor, k: int, group: int = 128) -> tuple[torch.
 def _chunk(
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    row_weights: torch.Tensor,
     weight: torch.Tensor,
     top_k: int,
     grad: bool,
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
 ) -> tuple[torch.Tensor | None, ...]:
-    """One chunk of rows: what `plain_head` computes from its logits, plus d(sum_i w_i loss_i)/d hidden."""
+    """One chunk of rows: what `plain_head` computes from its logits, plus each row's d loss_i / d hidden_i."""
     scores = hidden.to(weight.dtype) @ weight.T  # in the head's dtype: `logits` is its exact upcast
     logits = scores.float()
     lse = torch.logsumexp(logits, -1)
@@ -154,14 +172,15 @@ def _chunk(
         vals, cand = grouped_topk(scores, top_k)
         vals = vals.float()
     grad_hidden = None
-    if grad:  # d loss / d logits = softmax - t, t = (1-d) onehot(label) + d q; weighted per row, back through the head
+    if grad:  # d loss / d logits = softmax - t, t = (1-d) onehot(label) + d q, back through the head
         grad_logits = torch.exp(logits - lse[:, None])
         if target is not None:
             grad_logits.sub_(target, alpha=distill)
         # A comparison, not a scatter: compiled, the gradient is then one pass that writes it in the head's dtype.
         is_label = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
         grad_logits = torch.where(is_label, grad_logits - (1.0 - distill), grad_logits)
-        grad_hidden = (grad_logits * row_weights[:, None]).to(weight.dtype) @ weight
+        # Unweighted: the row weights may depend on every row's loss (D-PACE), so they are applied in the backward.
+        grad_hidden = grad_logits.to(weight.dtype) @ weight
     return ce, soft, pred, vals, cand, grad_hidden
 
 
@@ -177,20 +196,14 @@ class _FusedHead(torch.autograd.Function):
     time too: never as an [N, V] tensor."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, row_weights, weight, top_k, chunk_rows, compiled, grad, teacher, distill):
+    def forward(ctx, hidden, labels, weight, top_k, chunk_rows, compiled, grad, teacher, distill):
         run = _compiled_chunk() if compiled else _chunk
         chunks = len(labels.split(chunk_rows))
         teachers = teacher.split(chunk_rows) if teacher is not None else [None] * chunks
         with torch.no_grad():
             parts = [
-                run(h, y, w, weight, top_k, grad, t, distill)
-                for h, y, w, t in zip(
-                    hidden.split(chunk_rows),
-                    labels.split(chunk_rows),
-                    row_weights.split(chunk_rows),
-                    teachers,
-                    strict=True,
-                )
+                run(h, y, weight, top_k, grad, t, distill)
+                for h, y, t in zip(hidden.split(chunk_rows), labels.split(chunk_rows), teachers, strict=True)
             ]
         ce, soft, pred, vals, cand, grad_hidden = (
             torch.cat(p) if p[0] is not None else None for p in zip(*parts, strict=True)
@@ -198,26 +211,25 @@ class _FusedHead(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, cand, weight)
         ctx.hidden_dtype, ctx.chunk_rows = hidden.dtype, chunk_rows
         ctx.mark_non_differentiable(*(t for t in (ce, soft, pred, cand if top_k else None) if t is not None))
-        rows = ce if soft is None else (1 - distill) * ce + distill * soft
-        loss = (rows * row_weights).sum()
-        return loss, ce, soft, pred, vals, cand
+        # A tensor of its own: `ce` is marked non-differentiable, the rows carry the gradient.
+        rows = ce.clone() if soft is None else (1 - distill) * ce + distill * soft
+        return rows, ce, soft, pred, vals, cand
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _ce, _soft, _pred, grad_vals, _cand):
+    def backward(ctx, grad_rows, _ce, _soft, _pred, grad_vals, _cand):
         grad_hidden, cand, weight = ctx.saved_tensors
-        grad = grad_hidden.float() * grad_loss
+        grad = grad_hidden.float() * grad_rows[:, None]
         if grad_vals is not None:  # d vals[i, k] / d hidden[i] = W[cand[i, k]], gathered a chunk at a time
             for rows in torch.arange(len(cand), device=cand.device).split(ctx.chunk_rows):
                 g = grad_vals[rows].to(weight.dtype)
                 grad[rows] += torch.einsum("nk,nkh->nh", g, weight[cand[rows]]).float()
-        return grad.to(ctx.hidden_dtype), *[None] * 9
+        return grad.to(ctx.hidden_dtype), *[None] * 8
 
 
 def fused_head(
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    row_weights: torch.Tensor,
     lm_head_weight: torch.Tensor,
     top_k: int,
     chunk_rows: int = 0,
@@ -229,10 +241,10 @@ def fused_head(
     if chunk_rows <= 0:
         chunk_rows = max(1, 2**30 // (4 * lm_head_weight.shape[0]))
     grad = hidden.requires_grad and torch.is_grad_enabled()  # Function.forward itself runs without grad
-    loss, ce, soft, pred, vals, cand = _FusedHead.apply(
-        hidden, labels, row_weights, lm_head_weight, top_k, chunk_rows, compiled, grad, teacher, float(distill)
+    rows, ce, soft, pred, vals, cand = _FusedHead.apply(
+        hidden, labels, lm_head_weight, top_k, chunk_rows, compiled, grad, teacher, float(distill)
     )
-    return HeadOut(loss, ce, pred, vals, cand, soft)
+    return HeadOut(rows, ce, pred, vals, cand, soft)
 
 
 def block_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -261,6 +273,7 @@ def draft_losses(
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
     trained: int | None = None,
+    dpace_alpha: float | None = None,
 ) -> DraftLosses:
     """Losses of the proposing slots.
 
@@ -270,7 +283,8 @@ def draft_losses(
     teacher [b, n, B-1, H]: the target's final hidden state at anchor + k - 1 for slot k, whose softmax under the
     head is mixed into slot k's target with weight `distill` (module docstring). `trained`: the count of labels
     that are not IGNORE, when the caller knows it without reading the device (`trained_slots` of the batch on the
-    host); the trained rows are then gathered without the device sync of a boolean index.
+    host); the trained rows are then gathered without the device sync of a boolean index. `dpace_alpha`: train with
+    the D-PACE weights of that smoothing instead of `weights` (module docstring); the metrics keep `weights`.
     """
     if distill > 0 and teacher is None:
         raise ValueError(f"distill={distill} needs the teacher: the target's final hidden states of the slots")
@@ -281,19 +295,23 @@ def draft_losses(
     slot = torch.arange(slots, device=labels.device).expand_as(labels)
 
     if trained is None:
-        h, y, k, prev = hidden[valid], labels[valid], slot[valid], previous[valid]
-        t = teacher[valid] if teacher is not None else None
+        at = valid.flatten().nonzero().squeeze(-1)
     else:  # the same rows in the same order: the trained ones sort first, stably, and their count is known
-        rows = torch.argsort((~valid).flatten().to(torch.int8), stable=True)[:trained]
-        y, k, prev = (x.flatten()[rows] for x in (labels, slot, previous))
-        h = hidden.flatten(0, 2)[rows]
-        t = teacher.flatten(0, 2)[rows] if teacher is not None else None
+        at = torch.argsort((~valid).flatten().to(torch.int8), stable=True)[:trained]
+    y, k, prev = (x.flatten()[at] for x in (labels, slot, previous))
+    h = hidden.flatten(0, 2)[at]
+    t = teacher.flatten(0, 2)[at] if teacher is not None else None
     w = weights.to(h.device)[k]
     top_k = selector.top_k if selector is not None else 0
     w_sum = w.sum()
-    rows = (h, y, w / w_sum.clamp_min(1e-6), lm_head_weight[:vocab_size], top_k)  # rows past the vocab are padding
-    out = fused_head(*rows, chunk_rows, compiled, t, distill) if fused else plain_head(*rows, t, distill)
-    ce, ce_rows, pred = out.loss, out.ce_rows, out.pred
+    head = (h, y, lm_head_weight[:vocab_size], top_k)  # rows past the vocab are padding
+    out = fused_head(*head, chunk_rows, compiled, t, distill) if fused else plain_head(*head, t, distill)
+    ce_rows, pred = out.ce_rows, out.pred
+    w_train = w
+    if dpace_alpha is not None:  # on the block grid, where a slot's weight depends on the slots before and after it
+        confidence = torch.ones(labels.numel(), device=h.device).index_put((at,), torch.exp(-ce_rows))
+        w_train = dpace_weights(confidence.view_as(labels), valid, dpace_alpha).flatten()[at]
+    ce = (out.rows * w_train).sum() / w_train.sum().clamp_min(1e-6)
 
     per_slot = torch.zeros(slots, device=h.device)
     counts = {
@@ -319,7 +337,7 @@ def draft_losses(
     scores = selector.gold_scores(cand[None], unary[None], h[None], prev.clamp_min(0)[None])[0]
     sel_rows = F.cross_entropy(scores, gold, reduction="none")
     w_use = w * use
-    sel = (sel_rows * w_use).sum() / w_use.sum().clamp_min(1e-6)
+    sel = (sel_rows * w_train * use).sum() / (w_train * use).sum().clamp_min(1e-6)
     picks_gold = scores.argmax(-1) == gold
     # The walk picks gold given the gold prefix; without a trained predecessor the argmax stands in.
     picked = torch.where(prev != IGNORE, picks_gold & in_top, pred == y)

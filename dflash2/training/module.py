@@ -192,6 +192,7 @@ class DFlash2Module(L.LightningModule):
                 teacher=teacher,
                 distill=self.objective.distill,
                 trained=batch.get("trained_slots"),
+                dpace_alpha=self.objective.dpace,
             )
 
     def current_selector_alpha(self) -> float:

@@ -13,12 +13,17 @@ import torch
 
 from dflash2.training.losses import selector_alpha
 
+# The slots' loss weights (dflash2/training/losses.py): the published fixed decay, or D-PACE's from the confidence.
+POSITION_WEIGHTS = ("decay", "dpace")
+
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """configs/objective: the losses of contract section 7 and how the head computes them."""
 
     loss_gamma: float | None = None  # slot weight decay exp(-(k-1)/gamma); None = the published value for B
+    position_weights: str = "decay"  # the slots' loss weights: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE)
+    dpace_alpha: float = 0.5  # D-PACE's smoothing of the drafter's confidence, in (0, 1]
     selector_alpha: float = 1.0  # the selector loss's weight ...
     selector_warmup_steps: int = 0  # ... 0 for this many steps ...
     selector_ramp_steps: int = 0  # ... then ramped linearly over this many
@@ -34,11 +39,22 @@ class Objective:
                 f"objective.distill={d}: the share of the target's own distribution in each slot's target must be in "
                 "[0, 1] (0 = the gold token only, 1 = the target's softmax only)"
             )
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(
+                f"objective.position_weights={self.position_weights}: choose one of {', '.join(POSITION_WEIGHTS)}"
+            )
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"objective.dpace_alpha={self.dpace_alpha}: it must be in (0, 1], e.g. 0.5")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ValueError(f"objective.loss_gamma={self.loss_gamma}: it must be > 0, or null for the published one")
         for name in ("selector_warmup_steps", "selector_ramp_steps", "logits_chunk_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"objective.{name}={getattr(self, name)}: it must be >= 0")
+
+    @property
+    def dpace(self) -> float | None:
+        """D-PACE's smoothing when the slots are weighted by it, else None (`draft_losses`' `dpace_alpha`)."""
+        return self.dpace_alpha if self.position_weights == "dpace" else None
 
     def alpha(self, step: int) -> float:
         """The selector loss's weight at optimizer step `step`."""
