@@ -1,6 +1,6 @@
 """GPU timings of dflash2's two Triton kernels against their PyTorch references.
 
-    python benchmarks/kernels.py [--out benchmarks/results/kernels.json]
+    python benchmarks/decode_kernels.py [--out benchmarks/results/decode_kernels.json]
 
 Every time is a median after warm-up: `*_ms` from triton.testing.do_bench (Python launch overhead included) and
 `*_graph_ms` from do_bench_cudagraph (device time, as under CUDA graphs). Each shape is checked (kernel ==
@@ -94,7 +94,7 @@ def conv_rows(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/kernels.json", help="where the JSON results go")
+    parser.add_argument("--out", default="benchmarks/results/decode_kernels.json", help="where the JSON results go")
     parser.add_argument("--hidden-size", type=int, default=4096, help="conv hidden size (Qwen3-8B: 4096)")
     parser.add_argument("--group-size", type=int, default=16, help="conv channels per dynamic coefficient")
     parser.add_argument("--taps", type=int, default=2, help="conv taps T")
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=16, help="selector candidates per slot K")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py times GPU kernels; no CUDA device is visible")
+        raise SystemExit("benchmarks/decode_kernels.py times GPU kernels; no CUDA device is visible")
     import triton
 
     device = torch.device("cuda")
