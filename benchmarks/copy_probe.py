@@ -1,4 +1,4 @@
-"""How far ahead can a drafter copy? A CPU probe of the copy-length question of issue 19.
+"""How far ahead can a drafter copy? A CPU probe of how many slots a drafter copies from a looping context.
 
     python benchmarks/copy_probe.py [--layers 1 2 4 6] [--drafter dflash dflash2] [--steps 1500] [--lr 1e-2] [--out F]
 

@@ -28,7 +28,7 @@ train() {  # train NAME overrides...: experiment=gpu_smollm2 on the regenerated 
   find "$W/runs/$name" -name metrics.csv -exec cp {} "$OUT/curve_$name.csv" \;
   cp "$W/runs/$name/train.log" "$OUT/train_$name.log" 2>/dev/null || true
 }
-[ -f "$W/smollm2.jsonl" ] || gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
+[ -f "$W/smollm2.jsonl" ] || gunzip -c artifacts/data/smollm2_sharegpt_regenerated{,_part2,_part3,_part4}.jsonl.gz \
   > "$W/smollm2.jsonl"
 equal=(trainer.max_steps="$STEPS" trainer.val_check_interval="$VAL")
 PARTS=",${PARTS:-equal,throughput,epoch},"

@@ -471,33 +471,3 @@ def test_draft_attention_small_and_its_pair_count(tmp_path):
     anchors = bench.training_blocks(rows, length, n, seed=random.randrange(2**31))
     mask = dense_block_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), length, block)
     assert bench.attended_pairs(anchors, block) == int(mask.sum())
-
-
-# ---------------------------------------------------------------------------------------------- relay.sh
-def test_relay_carries_a_run_in_parts_and_refuses_a_missing_one(tmp_path):
-    import subprocess
-
-    def relay(*args):
-        env = {"PATH": "/usr/bin:/bin", "RELAY_PART_BYTES": "100000", "RELAY_PARTS": "2"}
-        return subprocess.run(["bash", str(BENCHMARKS / "relay.sh"), *map(str, args)], env=env, capture_output=True)
-
-    run = tmp_path / "runs" / "r1"
-    files = {"checkpoints/last.ckpt": 450_000, ".hydra/config.yaml": 300, "csv/version_0/metrics.csv": 5_000}
-    for name, size in files.items():
-        (run / name).parent.mkdir(parents=True, exist_ok=True)
-        (run / name).write_bytes(random.randbytes(size))
-    (run / "checkpoints" / "epoch=0-step=9.ckpt").write_bytes(b"the best one stays behind")
-    assert relay("pack", run, tmp_path / "store").returncode == 0
-    folders = sorted(p.name for p in (tmp_path / "store").iterdir())
-    assert folders == [str(k) for k in range(len(folders))] and len(folders) == 3  # 5 parts of 100 kB, 2 per folder
-    for k in folders:  # each folder one call: out of the GPU machine, kept here, carried into the next session
-        (tmp_path / "here" / k).mkdir(parents=True)
-        assert relay("send", tmp_path / "store", k, tmp_path / "here" / k).returncode == 0
-        assert relay("receive", tmp_path / "here" / k, tmp_path / "next").returncode == 0
-    assert relay("unpack", tmp_path / "next", tmp_path / "back").returncode == 0
-    back = tmp_path / "back" / "r1"
-    assert {str(p.relative_to(back)) for p in back.rglob("*") if p.is_file()} == set(files)
-    assert all((back / name).read_bytes() == (run / name).read_bytes() for name in files)
-    (tmp_path / "next" / "part.0003").unlink()
-    broken = relay("unpack", tmp_path / "next", tmp_path / "back2")
-    assert broken.returncode != 0 and b"missing or damaged" in broken.stderr and not (tmp_path / "back2").exists()
