@@ -1,4 +1,4 @@
-"""The variants of benchmarks/ablation.sh and its table (issue 19, item 2: what makes the drafters use their context).
+"""The variants of benchmarks/ablation.sh and its table (what makes a drafter good at a fixed budget).
 
 python benchmarks/ablation.py variants STEPS VAL [NAMES]   one line per variant: name, steps, validation interval,
                                                            then its train.py overrides
@@ -157,9 +157,6 @@ def main(argv: list[str]) -> None:
         for name, overrides in chosen(args[2] if len(args) > 2 else None).items():
             print(name, *schedule(overrides, int(args[0]), int(args[1])), *overrides)
     elif command == "tokenize":
-        # Run as a script, this folder leads sys.path, and its kernels.py would shadow the `kernels` package that
-        # transformers probes for when it loads a model.
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
         tokenize(args)
     elif command == "table" and args:
         work_dir = Path(args[0])

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# The context ablation on one GPU (issue 19, item 2; BENCHMARKS.md, "Ablation"): the DFlash2 baseline and one change
-# at a time (benchmarks/ablation.py lists them: a sliding-window first layer, feature scaling, init std 0.02, Adam
-# betas (0.9, 0.999), twice the learning rate, 3, 5 or 8 draft layers, distillation 1.0 and 0.5, selector weight 0.5
-# or ramped, 16 conversations per step at the recipe's or twice its learning rate), plain DFlash as
-# the reference, each trained on the same conversations of the regenerated ShareGPT set (16,211 of them) -> export +
-# check -> measured tau at T=0, block 16 on gsm8k, humaneval and sharegpt (100 prompts each), prompt lookup (PLD)
-# beside them -> WORK_DIR/ablation.json and a table: final val tau_sim, acc_1, acc_2, acc_15, loss_ce, measured tau;
+# The ablation on one GPU (BENCHMARKS.md, "Objectives at equal steps"): the DFlash2 baseline and one change at a time
+# (benchmarks/ablation.py lists them: D-PACE slot weights, the warm start, a sliding-window first layer, feature
+# scaling, init std 0.02, Adam betas (0.9, 0.999), twice the learning rate, 3, 5 or 8 draft layers, distillation 1.0
+# and 0.5, selector weight 0.5 or ramped, 4 conversations per step), plain DFlash as the reference, each trained on the
+# same conversations of the regenerated ShareGPT set (16,211 of them, plus EXTRA_DATA) -> export + check -> measured
+# tau at T=0, block 16 on gsm8k, humaneval, math500 and mtbench (100 prompts each, all 80 of MT-Bench), prompt lookup
+# (PLD) beside them -> WORK_DIR/ablation.json and a table: final val tau_sim, acc_1, acc_2, acc_15, loss_ce, measured tau;
 # WORK_DIR/copy_gap.json: each drafter's tau where prompt lookup would have copied, beside the lookup's own there.
 #
-#   bash benchmarks/ablation.sh WORK_DIR            # e.g. /root/ablation; rerun to resume
+#   bash benchmarks/ablation.sh WORK_DIR            # e.g. ~/ablation; rerun to resume
 #
 # Env: EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated; validation stays ShareGPT's),
 # DFLASH_EXPORT (the DFlash export the `warm` variant starts from; `export.py check` vets it first), STEPS (the baseline's optimizer steps, 300; a variant with another data.batch_size takes the steps that see as
 # many conversations), VAL (validate and checkpoint every VAL baseline steps, 75), JOBS (runs sharing
 # the GPU, 4), VARIANTS (comma-separated names, default all; see `python benchmarks/ablation.py variants`), BENCHES
-# (gsm8k,humaneval,sharegpt), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
+# (gsm8k,humaneval,math500,mtbench), CHECK_ONLY=1 (tiny sizes on the CPU: a rehearsal of the plumbing).
 # Resumable: a run that was killed resumes from its last checkpoint (VAL steps at most are lost), and a checked export
 # (WORK_DIR/exports/NAME.checked) and a finished evaluation (WORK_DIR/sweeps/NAME.done) are kept.
 # Each bench's prompts load before anything else starts: without PyPI, copy ~/.cache/dflash2/bench in first.
@@ -88,7 +88,7 @@ if [[ "$variants" == *@DFLASH_EXPORT@* ]]; then  # checked now, before any train
   variants=${variants//@DFLASH_EXPORT@/$(realpath "$DFLASH_EXPORT")}
 fi
 if [ ! -f "$DATA" ]; then
-  gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz > "$DATA.tmp"
+  gunzip -c artifacts/data/smollm2_sharegpt_regenerated{,_part2,_part3,_part4}.jsonl.gz > "$DATA.tmp"
   mv "$DATA.tmp" "$DATA"
 fi
 check_benches "$BENCHES" || { log "FAILED: a benchmark's prompts do not load (above)"; exit 1; }

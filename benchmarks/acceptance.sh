@@ -6,7 +6,7 @@
 #   all 80 of MT-Bench) -> time the T=0 block-16 gsm8k cell of each alone on the GPU, beside the target decoding
 #   alone (medians of 3 passes each) -> WORK_DIR/acceptance_vs_pld.json (benchmarks/acceptance_vs_pld.py).
 #
-#   bash benchmarks/acceptance.sh WORK_DIR            # e.g. /root/acceptance; rerun to resume
+#   bash benchmarks/acceptance.sh WORK_DIR            # e.g. ~/acceptance; rerun to resume
 #
 # Env: STEPS (optimizer steps per drafter; unset = the experiment's whole schedule, 6 epochs, whose cosine then spans
 # them; set, the cosine spans STEPS), VAL (validate every VAL steps; unset = the experiment's 4 times an epoch), LIMIT
@@ -19,20 +19,20 @@
 # rehearsal of the plumbing), EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated, e.g.
 # the regenerated replies to `python -m dflash2.data.sources` prompts; validation stays ShareGPT's), DFLASH_EXPORT (a
 # DFlash export the warm start loads instead of training DFlash here, e.g. the one kept in
-# benchmarks/results/dflash_full_schedule_h200_2026-12-03/export; `export.py check` runs on it before anything else),
+# artifacts/drafters/smollm2-dflash; `export.py check` runs on it before anything else),
 # PLD=0 (the grid without prompt lookup's sweeps, which are measured once for every drafter: at T=0 the greedy text
 # fixes them), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the grid or later,
 # it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
 # GPUs; the speed stage measures them alone.
-# To start from the whole set regenerated on 2026-12-01 (BENCHMARKS.md: 16,211 conversations, every complete one
+# To start from the whole set regenerated on 2026-12-01 (artifacts/README.md: 16,211 conversations, every complete one
 # of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
-#   mkdir -p WORK_DIR && gunzip -c benchmarks/results/acceptance_h200/smollm2_regenerated{,_part2,_part3,_part4}.jsonl.gz \
+#   mkdir -p WORK_DIR && gunzip -c artifacts/data/smollm2_sharegpt_regenerated{,_part2,_part3,_part4}.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
 # and the 7,413 math and CodeI/O replies regenerated on 2026-12-03 (BENCHMARKS.md: at equal steps they lift the math
 # and code benches by 0.24-1.41 tau and cost the chat benches 0.06-0.33), trained on with EXTRA_DATA=WORK_DIR/math_codeio.jsonl:
-#   gunzip -c benchmarks/results/math_codeio_pld_h200_2026-12-03/math_codeio_regenerated.jsonl.gz > WORK_DIR/math_codeio.jsonl
+#   gunzip -c artifacts/data/smollm2_math_codeio_regenerated.jsonl.gz > WORK_DIR/math_codeio.jsonl
 # Each bench's prompts load before anything else starts: without PyPI, copy ~/.cache/dflash2/bench in first.
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail

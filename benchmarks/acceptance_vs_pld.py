@@ -4,7 +4,7 @@
 
 Reads WORK_DIR/sweeps/summary.csv (every grid run) and each drafter's training log, and writes
 WORK_DIR/acceptance_vs_pld.json: for T=0 and block 16, per bench, {"pld": tau, "<drafter>": tau, ...}; per drafter
-the training command, optimizer steps, epochs and training minutes; and the issue's goals checked against them
+the training command, optimizer steps, epochs and training minutes; and the goals checked against them
 (DFlash2 at least 1.5x PLD on gsm8k and above PLD on every bench, at least 1.25x DFlash on gsm8k and humaneval).
 """
 
