@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash2.config import DFlash2Config
@@ -158,6 +159,14 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
 
     started = time.time()
     check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
+    if rank_zero_only.rank == 0:  # the first line of train.log: what this run trains, before anything loads
+        experiment = experiment_choice(cfg)
+        log.info("%s", describe_run(cfg, experiment))
+        if experiment == "quickstart" and accelerator(cfg) in ("gpu", "cuda"):
+            log.warning(
+                "experiment=quickstart trains the CPU quickstart's small drafter on a GPU: experiment=gpu_smollm2 is "
+                "the published recipe for this target"
+            )
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -213,6 +222,62 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     if trainer.is_global_zero:
         log.info("done\n%s", summary(result))  # logged: train.log keeps it, also when stdout is not a terminal
     return result
+
+
+def experiment_choice(cfg: DictConfig) -> str | None:
+    """The `experiment` a run was started with (None: none, or train() called without Hydra): Hydra's choice for this
+    command, or for a resume the one the run's record holds (a resume keeps its run's config groups)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    choices = HydraConfig.get().runtime.choices
+    if cfg.get("ckpt_path"):
+        from dflash2.training.resume import RECORD
+
+        record = run_dir_of(cfg.ckpt_path) / RECORD / "hydra.yaml"
+        if record.is_file():
+            choices = OmegaConf.load(record).hydra.runtime.choices
+    return choices.get("experiment")
+
+
+def accelerator(cfg: DictConfig) -> str:
+    """trainer.accelerator as Lightning resolves it here: `auto` is the GPU when there is one."""
+    chosen = str(cfg.trainer.get("accelerator") or "auto")
+    return ("gpu" if torch.cuda.is_available() else "cpu") if chosen == "auto" else chosen
+
+
+def describe_run(cfg: DictConfig, experiment: str | None) -> str:
+    """One line saying what a run trains: the experiment, the target, the drafter's shape, the data and the schedule,
+    e.g. `experiment=quickstart: target smollm2 (the embedded GGUF), DFlash2 drafter of 1 draft layer over target
+    layers [2, 6], block size 8, batch 4 chats of max_length 256, data sharegpt (first 1400), 1 epoch, trainer cpu`.
+    A warm start's depth and layers are shown, since they replace the draft group's."""
+    draft = OmegaConf.to_container(cfg.draft, resolve=True) | warm_start_fields(cfg.module)
+    model, data, trainer = cfg.model, cfg.data, cfg.trainer
+    source = f"{model.path}" if model.get("path") else "the embedded GGUF" if model.get("gguf_file") else None
+    kind = "DFlash2" if (draft.get("conv_kernel_size") or draft.get("selector_rank")) else "DFlash"
+    layers, reads = draft.get("num_hidden_layers"), draft.get("target_layer_ids")
+    steps, epochs = int(trainer.get("max_steps") or -1), trainer.get("max_epochs")
+    schedule = f"{epochs} epoch{'' if epochs == 1 else 's'}"
+    if steps > 0:
+        schedule = f"{steps} steps" + (f" (at most {schedule})" if epochs not in (None, -1) else "")
+    devices = trainer.get("devices", 1)
+    devices = "" if devices == 1 else " on every visible device" if devices == -1 else f" x{devices}"
+    name = f"experiment={experiment}" if experiment else f"no experiment (task {cfg.task_name})"
+    if cfg.get("ckpt_path"):
+        name = f"resuming {cfg.ckpt_path} ({name})"
+    parts = [
+        f"target {model.name}" + (f" ({source})" if source else ""),
+        f"{kind} drafter of {layers} draft layer{'' if layers == 1 else 's'} over target layers "
+        + (str(reads) if reads is not None else "spread over the target's depth"),
+        f"block size {draft.get('block_size')}",
+        f"batch {data.get('batch_size')} chat{'' if data.get('batch_size') == 1 else 's'} of max_length "
+        f"{data.get('max_length')}",
+        f"data {data.get('path') or data.get('name')}" + (f" (first {data.limit})" if data.get("limit") else ""),
+        schedule,
+        f"trainer {accelerator(cfg)}{devices}",
+    ]
+    return f"{name}: " + ", ".join(parts)
 
 
 def summary(result: dict[str, Any]) -> str:
