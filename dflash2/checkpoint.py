@@ -65,21 +65,37 @@ def find_checkpoint(path: str | Path) -> Path:
     return best
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """torch.load with the failure modes of a half-copied file turned into one clear message."""
+def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:
+    """torch.load of a training checkpoint, tensors and plain data only (`weights_only=True`), with the failure modes
+    of a half-copied file turned into one clear message.
+
+    A checkpoint that needs full unpickling (objects other than tensors and plain containers) is refused: unpickling
+    runs whatever code the file names. dflash2's training writes plain data only; `allow_pickle=True` (export.py
+    allow_pickle=true) loads another one fully, for a file the user trusts."""
     path = Path(path)
     try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except pickle.UnpicklingError:
-            # Lightning pickles hyper-parameters that may include OmegaConf nodes; it is the user's own file.
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # zip / pickle / EOF errors from a truncated or foreign file all mean the same here
-        reason = str(e).split(". ")[0]  # torch appends a paragraph of advice that says what we say below
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        # The safe unpickler names what it refused ("Unsupported global: GLOBAL omegaconf.dictconfig.DictConfig");
+        # any other unpickling error is a damaged file.
+        found = re.search(r"WeightsUnpickler error: (Unsupported [^\n]+?)(?: was not an allowed|\.\s|\n|$)", str(e))
+        if allow_pickle or not found:
+            raise _unreadable(path, e) from e
         raise ValueError(
-            f"{path}: cannot read the checkpoint ({type(e).__name__}: {reason}); the file is truncated "
-            "or not a Lightning checkpoint: re-copy it or point ckpt_path at another one"
-        ) from e
+            f"{path} holds pickled objects besides tensors and plain data ({found.group(1)}), and "
+            "loading them would run any code the file names: dflash2's training never writes such a checkpoint; "
+            "pass allow_pickle=true only if you trust this file"
+        ) from None
+    except Exception as e:  # zip / EOF errors from a truncated or foreign file all mean the same here
+        raise _unreadable(path, e) from e
+
+
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    reason = str(e).split(". ")[0]  # torch appends a paragraph of advice that says what we say below
+    return ValueError(
+        f"{path}: cannot read the checkpoint ({type(e).__name__}: {reason}); the file is truncated "
+        "or not a Lightning checkpoint: re-copy it or point ckpt_path at another one"
+    )
 
 
 def plain(obj: Any) -> Any:

@@ -107,14 +107,19 @@ def _number(v: Any) -> str:
 
 
 def export_checkpoint(
-    ckpt_path: str | Path, output_dir: str | Path, max_shard_size: int | str = "5GB", overwrite: bool = False
+    ckpt_path: str | Path,
+    output_dir: str | Path,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    allow_pickle: bool = False,
 ) -> Path:
-    """Write a training checkpoint as a servable folder (config.json, bf16 safetensors, README.md)."""
+    """Write a training checkpoint as a servable folder (config.json, bf16 safetensors, README.md). `allow_pickle`:
+    also load a checkpoint holding pickled objects (it runs their code; `load_checkpoint`)."""
     output_dir = Path(output_dir).absolute()
     if output_dir.exists() and not overwrite:
         raise FileExistsError(f"output_dir {output_dir} exists: pick another one or pass overwrite=true")
     file = find_checkpoint(ckpt_path)
-    ckpt = load_checkpoint(file)
+    ckpt = load_checkpoint(file, allow_pickle)
     model = draft_from_checkpoint(ckpt, file)
     info = read_info(ckpt)
     if info.get("manifest"):
@@ -230,13 +235,17 @@ def main(cfg: Any) -> int:
     if not cfg.get("ckpt_path") or not cfg.get("output_dir"):
         print(
             "usage: python export.py ckpt_path=<last.ckpt or run dir> output_dir=<dir> [max_shard_size=5GB] "
-            "[overwrite=true]\n       python export.py check=<drafter dir>\n"
+            "[overwrite=true] [allow_pickle=true]\n       python export.py check=<drafter dir>\n"
             "Quote paths that contain '=' (Lightning's epoch=1-step=10.ckpt) for Hydra: 'ckpt_path=\"<path>\"'"
         )
         return 2
     try:
         out = export_checkpoint(
-            cfg.ckpt_path, cfg.output_dir, cfg.get("max_shard_size", "5GB"), bool(cfg.get("overwrite", False))
+            cfg.ckpt_path,
+            cfg.output_dir,
+            cfg.get("max_shard_size", "5GB"),
+            bool(cfg.get("overwrite", False)),
+            bool(cfg.get("allow_pickle", False)),
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"export failed: {e}")

@@ -179,6 +179,32 @@ def test_corrupt_checkpoint_fails_clearly_and_leaves_nothing(tmp_path, corruptio
     assert leftovers(tmp_path, {"last.ckpt"}) == []
 
 
+class Touch:
+    """Pickled, it names a call: unpickling it creates `marker`, i.e. runs code the file chose."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_with_pickled_code_is_refused_unless_allowed(tmp_path):
+    """A checkpoint that only full unpickling reads is refused in one sentence naming allow_pickle, and nothing in it
+    runs; with allow_pickle=true (a file the user trusts) it exports."""
+    marker = tmp_path / "ran"
+    ckpt = write_ckpt(
+        tmp_path / "last.ckpt", trained_model(tiny_config()), changes={("hyper_parameters", "x"): Touch(marker)}
+    )
+    with pytest.raises(ValueError, match=r"holds pickled objects .*Unsupported global.*pass allow_pickle=true") as e:
+        export_checkpoint(ckpt, tmp_path / "drafter")
+    assert "\n" not in str(e.value) and not marker.exists() and leftovers(tmp_path, {"last.ckpt"}) == []
+    done = run_cli(f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'drafter'}")
+    assert done.returncode == 1 and "allow_pickle=true" in done.stdout and not marker.exists()
+    export_checkpoint(ckpt, tmp_path / "drafter", allow_pickle=True)
+    assert marker.exists() and (tmp_path / "drafter" / "config.json").is_file()
+
+
 def test_a_failing_lint_leaves_nothing_behind(tmp_path, monkeypatch):
     ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
     monkeypatch.setattr("dflash2.export.lint", lambda path: LintReport(Path(path), problems=["injected fault"]))
