@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from dflash2.contract import check_block_size
 from dflash2.groups import build
 from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
-from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
+from dflash2.manifest import MANIFEST_KEY, check_manifest, manifest_metric, target_identity
 from dflash2.model import DFlash2DraftModel
 from dflash2.progress import DecodeProgress
 from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
@@ -109,18 +108,10 @@ def describe_draft(
     }
 
 
-def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None, name: str = "tau_sim") -> float | None:
-    """The drafter's teacher-forced `tau_sim` from its manifest or its README's metrics table, if recorded.
-    `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one decoding with `selector=false` runs."""
-    for key, value in (manifest or {}).items():
-        if key.rsplit("/", 1)[-1] == name and isinstance(value, int | float):
-            return float(value)
-    readme = Path(draft_dir) / "README.md"
-    if readme.is_file():
-        match = re.search(rf"\|\s*`?[\w/]*\b{name}`?\s*\|\s*([0-9.eE+-]+)\s*\|", readme.read_text())
-        if match:
-            return float(match.group(1))
-    return None
+def read_tau_sim(manifest: dict[str, Any] | None, name: str = "tau_sim") -> float | None:
+    """The drafter's teacher-forced `tau_sim` as its export recorded it in config.json (`dflash2_manifest.metrics`),
+    None when it did not. `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one `selector=false` decodes."""
+    return manifest_metric(manifest, name)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -284,7 +275,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     tau_sim = None  # prompt lookup is not trained: nothing predicts its tau
     if isinstance(draft, DFlash2DraftModel):
         argmax_path = draft.candidate_selector is not None and not use_selector
-        tau_sim = read_tau_sim(cfg.drafter, described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
+        tau_sim = read_tau_sim(described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
     results: dict[str, Any] = {
         **acceptance_stats([s["accept_lengths"] for s in samples], block_size),
         "tau_sim": tau_sim,

@@ -22,7 +22,7 @@ from typing import Any
 from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint, plain, read_info
 from dflash2.config import DFlash2Config
 from dflash2.lint import lint
-from dflash2.manifest import MANIFEST_KEY
+from dflash2.manifest import MANIFEST_KEY, METRICS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,9 @@ def export_checkpoint(
     model = draft_from_checkpoint(ckpt, file)
     info = read_info(ckpt)
     if info.get("manifest"):
-        model.config.extra[MANIFEST_KEY] = plain(info["manifest"])
+        # The metrics as data beside the identity, for evaluate.py's tau_sim (the model card shows them to people).
+        metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
+        model.config.extra[MANIFEST_KEY] = plain(info["manifest"]) | ({METRICS_KEY: metrics} if metrics else {})
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_killed_exports(output_dir)

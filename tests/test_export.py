@@ -333,8 +333,9 @@ def test_manifest_round_trips_and_refuses_another_target(tmp_path, caplog):
     out = export_checkpoint(
         write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()), manifest), tmp_path / "drafter"
     )
-    assert read_manifest(out) == manifest
-    assert DFlash2DraftModel.from_pretrained(out).config.extra["dflash2_manifest"] == manifest
+    # The checkpoint's validation metrics ride along as data (evaluate.py's tau_sim reads them there).
+    assert read_manifest(out) == manifest | {"metrics": {"val/tau_sim": 3.25, "val/acc_1": 0.8}}
+    assert DFlash2DraftModel.from_pretrained(out).config.extra["dflash2_manifest"] == read_manifest(out)
     assert "tiny/target" in (out / "README.md").read_text()
     check_manifest(read_manifest(out), target_identity("tiny/target", *tiny_target()))
 
