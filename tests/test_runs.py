@@ -106,6 +106,26 @@ def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_
     assert result["ckpt_path"] == str(run / "checkpoints" / "last.ckpt") and result["global_step"] == 4
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    # last.ckpt was the best's hard link after step 2; saving step 4 replaced the link, never wrote through it.
+    best = run / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert torch.load(best, weights_only=True)["global_step"] == 2 and best.stat().st_nlink == 1
+
+
+def test_when_the_latest_validation_is_the_best_one_copy_is_kept(chats, tmp_path):
+    """A run whose last validation is also its best keeps one file under two names (last.ckpt a hard link to the
+    best), not two copies of the same state; a resume and the exporter read last.ckpt as before."""
+    from dflash2.checkpoint import draft_from_checkpoint
+
+    run = tmp_path / "run"
+    result = train(config(chats, run, "trainer.max_steps=2", "trainer.max_epochs=5", "validate_first=false"))
+    folder = run / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    last, best = folder / "last.ckpt", folder / "epoch=0-step=2.ckpt"
+    assert result["ckpt_path"] == str(last) and last.samefile(best) and not last.is_symlink()
+    ckpt = torch.load(last, weights_only=True)
+    assert ckpt["global_step"] == 2 and draft_from_checkpoint(ckpt)
+    resumed = train(config(chats, run, "trainer.max_steps=3", "trainer.max_epochs=5", f"ckpt_path={last}"))
+    assert resumed["global_step"] == 3 and torch.load(last, weights_only=True)["global_step"] == 3
 
 
 class FirstStepFc(Callback):

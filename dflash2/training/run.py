@@ -7,15 +7,17 @@ from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -92,6 +94,61 @@ class LogTrainingProgress(Callback):
             self.bar.set_postfix(trainer.progress_bar_metrics, refresh=False)
             self.bar.close()
             self.bar = None
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt`, the state at the latest validation (what a resume and the exporter read), kept as one file with the
+    best checkpoint when it is the same state: when another ModelCheckpoint (the best by val/tau_sim) has just saved
+    this step, last.ckpt becomes a hard link to that file instead of a second copy (a 356 MB drafter's run would
+    otherwise keep two). Every tool sees a plain, complete file; when the best moves on, Lightning deletes the old
+    name and last.ckpt keeps the data, and the next full save replaces the link (Lightning writes a temp file and
+    renames it over the name), so the best file is never written through it. A file system without hard links gets
+    the second copy, as before."""
+
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key, under which runs started before this class saved its state: they resume unwarned.
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        same = self._saved_this_step(trainer)
+        if same is None or not self._link(trainer, same, filepath):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        # What ModelCheckpoint._save_checkpoint records after a save.
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _saved_this_step(self, trainer: Any) -> str | None:
+        """The file another checkpoint callback wrote at this very step (same trainer state), if any."""
+        for callback in trainer.checkpoint_callbacks:
+            if callback is self or callback._last_global_step_saved != trainer.global_step:
+                continue
+            if callback._last_checkpoint_saved and not callback.save_weights_only and not self.save_weights_only:
+                return callback._last_checkpoint_saved
+        return None
+
+    @staticmethod
+    def _link(trainer: Any, source: str, filepath: str) -> bool:
+        """Hard-link `filepath` to `source` atomically (a temp link renamed over it), on rank 0; every rank learns
+        whether it worked."""
+        linked = False
+        if trainer.is_global_zero:
+            tmp = f"{filepath}.link-tmp"
+            try:
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
+                os.link(source, tmp)
+                os.replace(tmp, filepath)
+                linked = True
+            except OSError as e:
+                log.debug("last.ckpt as a copy: cannot hard-link %s (%s)", source, e)
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        return bool(trainer.strategy.broadcast(linked))
 
 
 def adopt_warm_start(cfg: DictConfig) -> None:
