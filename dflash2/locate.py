@@ -4,6 +4,7 @@ into a folder on first use) or the embedded SmolLM2; every failure to find one i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -122,10 +123,27 @@ def _dequantized(gguf: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
+    return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{gguf_folder_key(gguf)}", build)
+
+
+def gguf_folder_key(gguf: Path) -> str:
+    """The dequantized folder's cache key: what decides its content, i.e. the GGUF file's bytes (name, size and sha256)
+    and how `_dequantized` builds the folder (GGUF_FOLDER_VERSION). Not where the file lies: each virtual environment
+    installs the embedded GGUF at a path of its own, and keying by that wrote another ~540 MB copy per environment."""
     stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{GGUF_FOLDER_VERSION}"
-    key = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{key}", build)
+    digest = _sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = f"{gguf.name}:{stat.st_size}:{digest}:v{GGUF_FOLDER_VERSION}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file (0.2 s for SmolLM2's 98 MB), once per process and version of the file (size, mtime)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def smollm2_folder() -> Path:
