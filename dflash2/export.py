@@ -236,7 +236,8 @@ def main(cfg: Any) -> int:
         return 0 if report.ok else 1
     if not cfg.get("ckpt_path") or not cfg.get("output_dir"):
         print(
-            "usage: python export.py ckpt_path=<last.ckpt or run dir> output_dir=<dir> [max_shard_size=5GB] "
+            "usage: python export.py ckpt_path=<run dir (its best by val/tau_sim) or .ckpt> output_dir=<dir> "
+            "[max_shard_size=5GB] "
             "[overwrite=true] [allow_pickle=true]\n       python export.py check=<drafter dir>\n"
             "Quote paths that contain '=' (Lightning's epoch=1-step=10.ckpt) for Hydra: 'ckpt_path=\"<path>\"'"
         )

@@ -306,6 +306,35 @@ def test_find_checkpoint_prefers_last_then_the_highest_step(tmp_path):
         find_checkpoint(tmp_path / "missing")
 
 
+def test_a_run_dir_exports_its_best_checkpoint_by_tau_sim_and_says_so(tmp_path, caplog):
+    """As Lightning's ckpt_path="best": in a run dir the export takes the checkpoint with the highest recorded
+    val/tau_sim (not last.ckpt, a later but worse state), logs which and why, and its config.json carries its
+    metrics; a .ckpt file passed as ckpt_path is taken as given."""
+    folder = tmp_path / "run" / "checkpoints"
+    model = trained_model(tiny_config())
+
+    def at(step: int, tau: float) -> dict:
+        return {("global_step",): step, ("dflash2", "step"): step, ("dflash2", "metrics"): {"val/tau_sim": tau}}
+
+    manifest = build_manifest(target_identity("tiny/target", *tiny_target()), "test", 2)
+    write_ckpt(folder / "epoch=0-step=2.ckpt", model, manifest, changes=at(2, 1.5))
+    write_ckpt(folder / "epoch=0-step=1.ckpt", model, manifest, changes=at(1, 1.25))
+    write_ckpt(folder / "last.ckpt", model, manifest, changes=at(4, 1.4))
+    with caplog.at_level(logging.INFO, logger="dflash2.checkpoint"):
+        assert find_checkpoint(tmp_path / "run") == folder / "epoch=0-step=2.ckpt"
+        assert find_checkpoint(folder) == folder / "epoch=0-step=2.ckpt"
+    line = caplog.records[0].getMessage()
+    assert "taking checkpoints/epoch=0-step=2.ckpt, the best by val/tau_sim (1.5000 at step 2; the latest, " in line
+    assert "last.ckpt, has 1.4000 at step 4)" in line
+    assert find_checkpoint(folder / "last.ckpt") == folder / "last.ckpt"
+    out = export_checkpoint(tmp_path / "run", tmp_path / "drafter")
+    assert read_manifest(out)["metrics"] == {"val/tau_sim": 1.5}
+    # A tie, as when last.ckpt is the best's hard link: the later state, under the best's own name.
+    os.remove(folder / "last.ckpt")
+    os.link(folder / "epoch=0-step=2.ckpt", folder / "last.ckpt")
+    assert find_checkpoint(tmp_path / "run") == folder / "epoch=0-step=2.ckpt"
+
+
 # ---------------------------------------------------------------------- manifest
 def tiny_target(extra_token: str | None = None, layers: int = 6) -> tuple[Qwen3Config, PreTrainedTokenizerFast]:
     vocab = {f"t{i}": i for i in range(250)} | {"<unk>": 250, "<|im_end|>": 251}
