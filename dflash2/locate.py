@@ -15,6 +15,10 @@ from dflash2.bench import package_file
 from dflash2.cache import cache_root, model_folder
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The model the embedded GGUF quantizes, as engines load it: what a drafter of the embedded target is served with.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# GGUF metadata fields that may name the model a file was converted from, in the order they are trusted.
+GGUF_SOURCE_FIELDS = ("general.source.huggingface.repository", "general.base_model.0.repo_url", "general.source.url")
 
 
 class TargetNotFoundError(ValueError):
@@ -41,6 +45,47 @@ def target_source(path: str | None, gguf_file: str | None) -> tuple[str, dict[st
     if gguf_file:
         return str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
     return str(path), kwargs
+
+
+def serve_model(path: str | None, gguf_file: str | None) -> str | None:
+    """What an engine (SGLang `--model-path`, `vllm serve`) loads for the `model` group's `path`: a hub id as given, a
+    local folder by its absolute path, for the embedded SmolLM2 its hub id, and for another GGUF the hub repository
+    its metadata names. None when nothing portable is known (a GGUF that names no source): the dequantized copy in
+    this machine's cache is no place to serve from."""
+    if path in (None, "smollm2"):
+        return SMOLLM2_HUB_ID
+    path = str(path)
+    if path.endswith(".gguf") or gguf_file:
+        gguf = Path(path).expanduser() if path.endswith(".gguf") else Path(path).expanduser() / gguf_file
+        if not gguf.is_file() and gguf_file:  # a hub repository's GGUF: the copy its loading left in the HF cache
+            import huggingface_hub as hub
+
+            cached = hub.try_to_load_from_cache(path, gguf_file)
+            gguf = Path(cached) if isinstance(cached, str) else gguf
+        return gguf_source(gguf) if gguf.is_file() else None
+    local = Path(path).expanduser()
+    return str(local.absolute()) if local.is_dir() else path
+
+
+def gguf_source(gguf: Path) -> str | None:
+    """The hub id a GGUF file says it was converted from (`GGUF_SOURCE_FIELDS`), if it says so."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    for key in GGUF_SOURCE_FIELDS:
+        if key in fields:
+            value = str(fields[key].contents()).strip().rstrip("/")
+            hub_id = value.removeprefix("https://huggingface.co/").removeprefix("hf.co/")
+            if hub_id.count("/") == 1 and "://" not in hub_id:
+                return hub_id
+    return None
+
+
+def is_dequantized_smollm2(folder: str | Path) -> bool:
+    """Whether `folder` is a dequantized copy of the embedded GGUF as `_dequantized` names them (`<cache>/gguf/<stem>-
+    <key>`), on this machine or the one a drafter was trained on: such a drafter is served with SMOLLM2_HUB_ID."""
+    folder = Path(folder)
+    return folder.parent.name == "gguf" and folder.name.startswith(Path(SMOLLM2_GGUF).stem + "-")
 
 
 def _not_found(path: str, why: str) -> TargetNotFoundError:

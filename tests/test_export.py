@@ -22,6 +22,7 @@ from dflash2 import DFlash2Config, DFlash2DraftModel, tensor_shapes
 from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint
 from dflash2.export import export_checkpoint
 from dflash2.lint import LintReport
+from dflash2.locate import SMOLLM2_HUB_ID
 from dflash2.manifest import build_manifest, check_manifest, read_manifest, target_identity
 from dflash2.model import read_safetensors
 
@@ -279,6 +280,49 @@ def test_the_model_card_serves_the_target_that_training_loaded(tmp_path):
     )
     card = (out / "README.md").read_text()
     assert "--model-path /models/SmolLM2-135M-Instruct " in card and "vllm serve /models/SmolLM2-135M-Instruct " in card
+
+
+@pytest.mark.parametrize(
+    "recorded, served",
+    [
+        # trained on the embedded GGUF: its dequantized copy in that machine's cache is served as SmolLM2's hub id
+        ({"target_path": "/root/w/.cache/gguf/SmolLM2-135M-Instruct.Q4_1-6c734edd4904"}, SMOLLM2_HUB_ID),
+        ({"target_path": "/x/gguf/SmolLM2-135M-Instruct.Q4_1-1", "serve_model": SMOLLM2_HUB_ID}, SMOLLM2_HUB_ID),
+        ({"target_path": "/x/gguf/Other-Q8-123"}, "<hub id or folder of smollm2>"),  # no portable name known
+        ({"target_path": "/x/gguf/Other-Q8-123", "serve_model": None}, "<hub id or folder of smollm2>"),
+        ({"target_path": "/models/SmolLM2", "serve_model": "/models/SmolLM2"}, "/models/SmolLM2"),
+    ],
+)
+def test_the_model_card_serves_a_hub_id_not_a_cache_folder(tmp_path, recorded, served):
+    identity = target_identity("smollm2", *tiny_target())
+    manifest = build_manifest(identity, "sharegpt", 42, **recorded)
+    model = trained_model(tiny_config())
+    out = export_checkpoint(write_ckpt(tmp_path / "last.ckpt", model, manifest), tmp_path / "d")
+    card = (out / "README.md").read_text()
+    assert f"--model-path {served} " in card and f"vllm serve {served} " in card
+    assert "/gguf/" not in card.split("## Serving")[1]
+    assert ("base_model: " + (served if served == SMOLLM2_HUB_ID else "smollm2")) in card
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_model_card_counts_draft_layers(layers):
+    from dflash2.export import model_card
+
+    cfg = DFlash2Config.from_dict(tiny_config().to_dict() | {"num_hidden_layers": layers, "layer_types": None})
+    card = model_card(cfg, {})
+    assert f"{layers} draft layer{'s' if layers > 1 else ''}, hidden size" in card
+    assert "1 draft layers" not in card
+
+
+def test_a_run_records_what_engines_load_for_its_target(tmp_path):
+    """The manifest names the target as engines load it: the embedded SmolLM2 as its hub id, a hub id as given, a local
+    folder by its absolute path, and a GGUF by the repository its metadata names (None when it names none)."""
+    from dflash2.locate import _smollm2_gguf, serve_model
+
+    assert serve_model(None, "SmolLM2-135M-Instruct.Q4_1.gguf") == serve_model("smollm2", None) == SMOLLM2_HUB_ID
+    assert serve_model("Qwen/Qwen3-8B", None) == "Qwen/Qwen3-8B"
+    assert serve_model(str(tmp_path), None) == str(tmp_path.absolute())
+    assert serve_model(str(_smollm2_gguf()), None) is None  # its metadata names no source repository
 
 
 @pytest.mark.parametrize("conv", [False, True])

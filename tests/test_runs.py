@@ -43,6 +43,7 @@ def test_checkpoint_layout_and_resume(chats, tmp_path):
     assert ckpt["global_step"] == 3 and ckpt["dflash2"]["step"] == 3
     assert set(ckpt["dflash2"]) == {"manifest", "metrics", "step"}
     assert ckpt["dflash2"]["manifest"]["target"] == "tiny" and ckpt["dflash2"]["manifest"]["training_steps"] == 3
+    assert ckpt["dflash2"]["manifest"]["serve_model"] == tiny_target_path()  # what engines load: the folder
     assert ckpt["dflash2"]["metrics"]["val/tau_sim"] == first["end"]["val/tau_sim"]
     cfg = ckpt["hyper_parameters"]["draft_config"]
     assert cfg["dflash_config"]["selector_top_k"] == 4

@@ -212,6 +212,7 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     import lightning as L
     from hydra.core.hydra_config import HydraConfig
 
+    from dflash2.locate import serve_model
     from dflash2.manifest import target_identity
 
     started = time.time()
@@ -242,7 +243,8 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
         "identity": target_identity(target.name, target.config, target.tokenizer),
-        "target_path": target.source,
+        "target_path": target.source,  # where training loaded it, on this machine
+        "serve_model": serve_model(cfg.model.get("path"), cfg.model.get("gguf_file")),  # what engines load
         "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
         "run": cfg.task_name,
     }
