@@ -291,6 +291,29 @@ def test_a_damaged_drafter_fails_in_one_sentence_before_the_target_loads(tiny, t
     assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
     (line,) = done.stderr.strip().splitlines()  # what export.py check says, on one line
     assert f"drafter={draft}" in line and "model.safetensors is unreadable" in line
+    assert not (tmp_path / "outputs").exists()  # refused before Hydra made the run folder
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["-m", "drafter={draft},pld", "bench=gsm8k,mbpp"], "drafter={draft} fails `export.py check`"),
+        (["drafter={tmp}/missing"], "drafter={tmp}/missing fails `export.py check`"),
+        (["drafter=pld", "pld.max_ngram=0"], "pld.max_ngram=0"),
+        (["drafter={draft}", "repeats=0"], "repeats=0"),
+    ],
+)
+def test_a_refused_start_leaves_no_run_or_sweep_folder(tiny, tmp_path, args, error):
+    """A bad drafter (in a sweep too) or setting fails in one line before Hydra makes a run or sweep folder: nothing
+    to clean up under outputs/ or multirun/."""
+    draft = export_draft(tiny, tmp_path / "draft")
+    if "repeats=0" not in args:
+        (draft / "config.json").write_text("{")  # a damaged export
+    fill = {"draft": draft, "tmp": tmp_path}
+    done = evaluate_cli(tmp_path, *(a.format(**fill) for a in args), "model=tiny", f"model.path={tiny_target_path()}")
+    assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+    assert error.format(**fill) in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
 def test_notebook_runs_on_the_sweep(sweep, monkeypatch):
