@@ -30,7 +30,7 @@ from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
 from dflash2.manifest import MANIFEST_KEY, check_manifest, manifest_metric, target_identity
 from dflash2.model import DFlash2DraftModel
-from dflash2.progress import DecodeProgress
+from dflash2.progress import DecodeProgress, quiet_libraries
 from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
 from dflash2.target import resolve_device
 
@@ -490,6 +490,7 @@ def main(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """evaluate.py: one run, or one run of a sweep. Rerunning a sweep into the same `hydra.sweep.dir` keeps the runs
     that already finished with the same settings, so a killed sweep resumes instead of starting over."""
     # Logged, not printed: the job's evaluate.log keeps the table too.
+    quiet_libraries()
     results = finished_run(cfg, run_dir)
     if results is not None:
         kept = Path(run_dir) / "results.json"

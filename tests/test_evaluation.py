@@ -242,7 +242,17 @@ def sweep(tiny, tmp_path_factory):
     with (root / "evaluate.out").open("w") as out:
         run = evaluate_cli(root, "-m", *args, "max_new_tokens=6", f"hydra.sweep.dir={root / 'multirun'}", stdout=out)
     assert run.returncode == 0, run.stderr[-3000:]
+    (root / "evaluate.err").write_text(run.stderr)
     return root / "multirun", (root / "evaluate.out").read_text()
+
+
+def test_output_to_a_file_has_no_bar_frames_or_library_warnings(sweep):
+    sweep_dir, stdout = sweep
+    output = stdout + (sweep_dir.parent / "evaluate.err").read_text()
+    assert "\r" not in output and "it/s]" not in output and "Loading weights" not in output
+    for noise in ("Warning", "deprecated"):
+        assert noise not in output, (noise, output)
+    assert output.count("decode: 2/2 requests") == 8
 
 
 def test_sweep_writes_runs_summary_and_plots(sweep):

@@ -324,15 +324,29 @@ def train_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def cli_run(chats, tmp_path_factory):
-    """A 4-step run validating at steps 2 and 4, its output to a file. With the learning rate at 0 the best checkpoint
-    stays the step-2 one, a point to resume from."""
+    """A 4-step run validating at steps 2 and 4, its output to a file (stderr in train.err) with Lightning's progress
+    bar on as configured by default. With the learning rate at 0 the best checkpoint stays the step-2 one, a point to
+    resume from."""
     run = tmp_path_factory.mktemp("cli") / "run"
     lines = ["trainer.max_steps=4", "trainer.max_epochs=5", "trainer.val_check_interval=2", "optim.lr=0"]
+    lines += ["trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=true"]
     out = run.parent / "train.out"
     with out.open("w") as f:
-        done = train_cli(*tiny_overrides(chats, run, *lines, "trainer.check_val_every_n_epoch=null"), stdout=f)
+        done = train_cli(*tiny_overrides(chats, run, *lines), stdout=f)
     assert done.returncode == 0, done.stderr[-3000:]
+    (run.parent / "train.err").write_text(done.stderr)
     return run, out.read_text()
+
+
+def test_output_to_a_file_keeps_to_the_runs_lines(cli_run):
+    """Off a terminal (nohup, `> file`) the output holds log lines only: no progress-bar frames (Lightning's bar, the
+    Hugging Face libraries' bars), no library deprecation warnings, no advertisement."""
+    run, stdout = cli_run
+    output = stdout + (run.parent / "train.err").read_text()
+    assert "\r" not in output and "\N{BOX DRAWINGS HEAVY HORIZONTAL}" not in output and "it/s]" not in output
+    for noise in ("Warning", "deprecated", "Tip:", "Loading weights", "Rendering chats", "flops_per_batch"):
+        assert noise not in output, (noise, output)
+    assert "validation at step 4: tau_sim " in output and "train: 4/4 steps" in output  # dflash2's own lines
 
 
 def test_the_first_log_line_says_what_the_run_trains(cli_run):

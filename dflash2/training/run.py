@@ -214,9 +214,11 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
 
     from dflash2.locate import serve_model
     from dflash2.manifest import target_identity
+    from dflash2.progress import interactive, quiet_libraries
 
     started = time.time()
     check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
+    quiet_libraries()
     if rank_zero_only.rank == 0:  # the first line of train.log: what this run trains, before anything loads
         experiment = experiment_choice(cfg)
         log.info("%s", describe_run(cfg, experiment))
@@ -254,8 +256,14 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     configured = [build(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]
     if not logger:  # a learning-rate monitor without a logger is an error in Lightning
         configured = [c for c in configured if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
+    # Lightning's bar off a terminal would end up in the output file as frames; log_progress logs the steps there.
+    bar = bool(cfg.trainer.get("enable_progress_bar", True)) and interactive()
     trainer = build(
-        cfg.trainer, logger=logger, callbacks=configured + list(callbacks or []), default_root_dir=str(run_dir)
+        cfg.trainer,
+        logger=logger,
+        callbacks=configured + list(callbacks or []),
+        default_root_dir=str(run_dir),
+        enable_progress_bar=bar,
     )
     if trainer.logger and cfg.logger.get("_target_", "").endswith("WandbLogger") and trainer.is_global_zero:
         trainer.logger.experiment.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
