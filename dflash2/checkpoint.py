@@ -9,6 +9,7 @@ keys, and how the drafter is rebuilt from it (export.py, tests). Nothing else sp
 
 from __future__ import annotations
 
+import logging
 import pickle
 import re
 from pathlib import Path
@@ -22,6 +23,10 @@ from dflash2.model import DFlash2DraftModel, check_tensors
 PREFIX = "draft."
 CONFIG_KEY = "draft_config"
 INFO_KEY = "dflash2"
+LAST = "last.ckpt"  # the latest state of a run (configs/callbacks/default.yaml)
+TAU_SIM = "val/tau_sim"  # what the best checkpoint is the best by (the same file's model_checkpoint.monitor)
+
+log = logging.getLogger(__name__)
 
 
 def drafter_state(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -39,18 +44,33 @@ def read_info(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A .ckpt file as given; in a run dir `checkpoints/last.ckpt`, else the checkpoint with the highest step."""
+    """A .ckpt file as given. In a run dir (or its `checkpoints/`), the best checkpoint by `val/tau_sim`, as Lightning's
+    `ckpt_path="best"` would take it: the validation metrics each checkpoint records (`dflash2.metrics`), the later
+    step on a tie. Without recorded metrics, `last.ckpt`, else the checkpoint with the highest step. The log says
+    which checkpoint was taken and why."""
     path = Path(path)
     if path.is_file():
         return path
     if not path.is_dir():
         raise FileNotFoundError(f"ckpt_path {path} does not exist: pass a .ckpt file or a training run dir")
-    for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
-        if candidate.is_file():
-            return candidate
     found = sorted(path.glob("*.ckpt")) + sorted(path.glob("checkpoints/*.ckpt"))
     if not found:
         raise FileNotFoundError(f"no .ckpt under {path} or {path / 'checkpoints'}: pass the checkpoint file")
+    scored = [(tau, step, p) for p in found for tau, step in [_recorded(p)] if tau is not None]
+    if scored:
+        # Ties (a hard-linked last.ckpt is the same file as the best) go to the later step, then the best's own name.
+        tau, step, best = max(scored, key=lambda t: (t[0], t[1], t[2].name != LAST))
+        latest = max(scored, key=lambda t: (t[1], t[2].name == LAST))
+        also = "" if latest[1] == step else f"; the latest, {latest[2].name}, has {latest[0]:.4f} at step {latest[1]}"
+        log.info(
+            "ckpt_path=%s: taking %s, the best by %s (%.4f at step %d%s); pass a .ckpt file to take another",
+            path, best.relative_to(path), TAU_SIM, tau, step, also,
+        )  # fmt: skip
+        return best
+    for candidate in (path / "checkpoints" / LAST, path / LAST):
+        if candidate.is_file():
+            log.info("ckpt_path=%s: taking %s (no checkpoint records %s)", path, candidate.relative_to(path), TAU_SIM)
+            return candidate
 
     def step(p: Path) -> int:
         m = re.search(r"step=(\d+)", p.name)
@@ -65,21 +85,48 @@ def find_checkpoint(path: str | Path) -> Path:
     return best
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """torch.load with the failure modes of a half-copied file turned into one clear message."""
+def _recorded(path: Path) -> tuple[float | None, int]:
+    """(val/tau_sim, step) that a checkpoint of dflash2's training records, (None, -1) for any other file. Reading
+    them loads the pickled part alone: the tensors are memory-mapped and never read."""
+    try:
+        info = read_info(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    except Exception:  # unreadable, or not a training checkpoint: not a candidate for "best"
+        return None, -1
+    tau = (info.get("metrics") or {}).get(TAU_SIM)
+    return (float(tau), int(info.get("step", -1))) if isinstance(tau, int | float) else (None, -1)
+
+
+def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:
+    """torch.load of a training checkpoint, tensors and plain data only (`weights_only=True`), with the failure modes
+    of a half-copied file turned into one clear message.
+
+    A checkpoint that needs full unpickling (objects other than tensors and plain containers) is refused: unpickling
+    runs whatever code the file names. dflash2's training writes plain data only; `allow_pickle=True` (export.py
+    allow_pickle=true) loads another one fully, for a file the user trusts."""
     path = Path(path)
     try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except pickle.UnpicklingError:
-            # Lightning pickles hyper-parameters that may include OmegaConf nodes; it is the user's own file.
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # zip / pickle / EOF errors from a truncated or foreign file all mean the same here
-        reason = str(e).split(". ")[0]  # torch appends a paragraph of advice that says what we say below
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        # The safe unpickler names what it refused ("Unsupported global: GLOBAL omegaconf.dictconfig.DictConfig");
+        # any other unpickling error is a damaged file.
+        found = re.search(r"WeightsUnpickler error: (Unsupported [^\n]+?)(?: was not an allowed|\.\s|\n|$)", str(e))
+        if allow_pickle or not found:
+            raise _unreadable(path, e) from e
         raise ValueError(
-            f"{path}: cannot read the checkpoint ({type(e).__name__}: {reason}); the file is truncated "
-            "or not a Lightning checkpoint: re-copy it or point ckpt_path at another one"
-        ) from e
+            f"{path} holds pickled objects besides tensors and plain data ({found.group(1)}), and "
+            "loading them would run any code the file names: dflash2's training never writes such a checkpoint; "
+            "pass allow_pickle=true only if you trust this file"
+        ) from None
+    except Exception as e:  # zip / EOF errors from a truncated or foreign file all mean the same here
+        raise _unreadable(path, e) from e
+
+
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    reason = str(e).split(". ")[0]  # torch appends a paragraph of advice that says what we say below
+    return ValueError(
+        f"{path}: cannot read the checkpoint ({type(e).__name__}: {reason}); the file is truncated "
+        "or not a Lightning checkpoint: re-copy it or point ckpt_path at another one"
+    )
 
 
 def plain(obj: Any) -> Any:

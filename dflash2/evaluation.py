@@ -13,13 +13,13 @@ import functools
 import json
 import logging
 import os
-import re
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash2 import kernels
@@ -28,9 +28,9 @@ from dflash2.contract import check_block_size
 from dflash2.groups import build
 from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
-from dflash2.manifest import MANIFEST_KEY, check_manifest, target_identity
+from dflash2.manifest import MANIFEST_KEY, check_manifest, manifest_metric, target_identity
 from dflash2.model import DFlash2DraftModel
-from dflash2.progress import DecodeProgress
+from dflash2.progress import DecodeProgress, quiet_libraries
 from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
 from dflash2.target import resolve_device
 
@@ -54,14 +54,63 @@ def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int
     return target, target_identity(target.name, target.config, target.tokenizer)
 
 
+def check_drafter(drafter: Any) -> None:
+    """`drafter` as evaluate.py takes it, refused in one sentence naming it and the fix: unset, or a folder that fails
+    `export.py check` (config.json and the safetensors headers only: a second, before any target loads)."""
+    if not drafter or drafter == "???":
+        raise ValueError("drafter is not set: pass drafter=<export dir> (a folder export.py wrote), or drafter=pld")
+    if drafter == PLD:
+        return
+    report = lint(Path(str(drafter)).expanduser())
+    if not report.ok:
+        raise ValueError(f"drafter={drafter} fails `export.py check`: " + "; ".join(report.problems))
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Everything about a run that can be refused without loading anything: the drafter, `repeats`, `block_size` and
+    prompt lookup's settings."""
+    check_drafter(cfg.get("drafter"))
+    repeats = int(cfg.repeats)
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
+    if cfg.get("block_size") is not None:
+        check_block_size(cfg.block_size)  # a drafter's own B is its export's, which the linter checks
+    if cfg.drafter == PLD:
+        prompt_lookup(cfg)
+
+
+class CheckSettings(HydraCallback):
+    """Hydra callback (configs/evaluate.yaml): bad settings and drafters are refused before Hydra makes the run folder
+    (or a sweep's), so a failed start leaves nothing behind. A sweep's drafters (`-m drafter=a,b`) are each checked."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_settings(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(str(e)) from None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            for override in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
+                if override.key_or_group != "drafter":
+                    continue
+                if not override.is_sweep_override():
+                    check_drafter(override.get_value_element_as_str())
+                elif override.is_choice_sweep():
+                    for drafter in override.sweep_string_iterator():
+                        check_drafter(drafter)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(str(e)) from None
+
+
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
     """The target of the `model` group and the drafter at `drafter`, refused when trained for another target."""
     draft_dir = Path(cfg.drafter).expanduser()
     # export.py check's contract check, from config.json and the safetensors headers: a damaged folder fails in one
     # sentence before a target loads, instead of in a safetensors traceback after.
-    report = lint(draft_dir)
-    if not report.ok:
-        raise ValueError(f"drafter={cfg.drafter} fails `export.py check`: " + "; ".join(report.problems))
+    check_drafter(cfg.drafter)
     saved = DFlash2Config.from_pretrained(draft_dir)
     # The drafter decides which target layers it reads, whatever the model group suggests for training.
     target, identity = load_model_target(cfg, device, saved.target_layer_ids)
@@ -109,18 +158,10 @@ def describe_draft(
     }
 
 
-def read_tau_sim(draft_dir: str | Path, manifest: dict[str, Any] | None = None, name: str = "tau_sim") -> float | None:
-    """The drafter's teacher-forced `tau_sim` from its manifest or its README's metrics table, if recorded.
-    `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one decoding with `selector=false` runs."""
-    for key, value in (manifest or {}).items():
-        if key.rsplit("/", 1)[-1] == name and isinstance(value, int | float):
-            return float(value)
-    readme = Path(draft_dir) / "README.md"
-    if readme.is_file():
-        match = re.search(rf"\|\s*`?[\w/]*\b{name}`?\s*\|\s*([0-9.eE+-]+)\s*\|", readme.read_text())
-        if match:
-            return float(match.group(1))
-    return None
+def read_tau_sim(manifest: dict[str, Any] | None, name: str = "tau_sim") -> float | None:
+    """The drafter's teacher-forced `tau_sim` as its export recorded it in config.json (`dflash2_manifest.metrics`),
+    None when it did not. `name="tau_sim_top1"`: a DFlash2 drafter's argmax path, the one `selector=false` decodes."""
+    return manifest_metric(manifest, name)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -232,14 +273,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     from dflash2.bench import load_prompts
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.get("drafter"):
-        raise ValueError("drafter is not set: pass drafter=<export dir> (a folder export.py wrote), or drafter=pld")
+    check_settings(cfg)  # before anything loads (evaluate.py: before Hydra makes the run folder, CheckSettings)
     repeats = int(cfg.repeats)
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
-    if cfg.get("block_size") is not None:
-        check_block_size(cfg.block_size)  # a drafter's own B is its export's, which the linter checks
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     device = resolve_device(cfg.get("device"))
@@ -284,7 +319,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     tau_sim = None  # prompt lookup is not trained: nothing predicts its tau
     if isinstance(draft, DFlash2DraftModel):
         argmax_path = draft.candidate_selector is not None and not use_selector
-        tau_sim = read_tau_sim(cfg.drafter, described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
+        tau_sim = read_tau_sim(described["manifest"], "tau_sim_top1" if argmax_path else "tau_sim")
     results: dict[str, Any] = {
         **acceptance_stats([s["accept_lengths"] for s in samples], block_size),
         "tau_sim": tau_sim,
@@ -311,6 +346,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     results["tau_gap"] = tau_sim - results["tau"] if comparable else None
     if reference:
         results["baseline"] = _baseline(reference, passes, results["tokens_per_s_passes"], settings["temperature"])
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before leaves no folder behind
     with open(run_dir / "samples.jsonl", "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
@@ -454,6 +490,7 @@ def main(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """evaluate.py: one run, or one run of a sweep. Rerunning a sweep into the same `hydra.sweep.dir` keeps the runs
     that already finished with the same settings, so a killed sweep resumes instead of starting over."""
     # Logged, not printed: the job's evaluate.log keeps the table too.
+    quiet_libraries()
     results = finished_run(cfg, run_dir)
     if results is not None:
         kept = Path(run_dir) / "results.json"

@@ -22,7 +22,7 @@ from typing import Any
 from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint, plain, read_info
 from dflash2.config import DFlash2Config
 from dflash2.lint import lint
-from dflash2.manifest import MANIFEST_KEY
+from dflash2.manifest import MANIFEST_KEY, METRICS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
     """README.md of an export: provenance, validation metrics and how to serve it with SGLang and vLLM."""
     manifest = cfg.extra.get(MANIFEST_KEY) or {}
     target = manifest.get("target") or "<target model>"
-    # What an engine loads: the hub id or folder training loaded (older checkpoints recorded only a name).
-    served = manifest.get("target_path") or f"<hub id or folder of {target}>"
+    served = served_target(manifest)
+    loaded = manifest.get("target_path")
     b = cfg.block_size
     kind = "DFlash2" if cfg.use_conv or cfg.use_selector else "DFlash"
     parts = []
@@ -40,12 +40,15 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
         parts.append(f"grouped conv ({cfg.conv_kernel_size} taps, group {cfg.conv_group_size})")
     if cfg.use_selector:
         parts.append(f"candidate selector (rank {cfg.selector_rank}, top-{cfg.selector_top_k})")
-    shape = f"{cfg.num_hidden_layers} draft layers, hidden size {cfg.hidden_size}" + "".join(f", {p}" for p in parts)
+    layers = f"{cfg.num_hidden_layers} draft layer{'' if cfg.num_hidden_layers == 1 else 's'}"
+    shape = f"{layers}, hidden size {cfg.hidden_size}" + "".join(f", {p}" for p in parts)
     metrics = sorted((info.get("metrics") or {}).items(), key=lambda kv: _metric_order(kv[0]))
     table = "\n".join(["| metric | value |", "|---|---|"] + [f"| `{k}` | {_number(v)} |" for k, v in metrics])
     tags = ", ".join(dict.fromkeys(["speculative-decoding", "dflash", kind.lower()]))  # a DFlash drafter: one dflash
     front = ["library_name: dflash2", f"tags: [{tags}]"]
-    front += [f"base_model: {manifest['target']}"] if manifest.get("target") else []
+    # The Hub's base_model is a hub id: the served one when it is one, else the target's name as before.
+    base = served if _is_hub_id(served) else manifest.get("target")
+    front += [f"base_model: {base}"] if base else []
     return f"""---
 {chr(10).join(front)}
 ---
@@ -58,7 +61,7 @@ and head. {shape}.
 
 | | |
 |---|---|
-| target | `{target}`, loaded from `{served}` |
+| target | `{target}`: `{served}`{f" (training loaded `{loaded}`)" if loaded and loaded != served else ""} |
 | training data | {manifest.get("data_source", "unknown")} |
 | training steps | {info.get("step", manifest.get("training_steps", "unknown"))} |
 | dflash2 version | {manifest.get("dflash2_version", "unknown")} |
@@ -95,6 +98,28 @@ Check the folder against the DFlash2 contract with `python export.py check=<this
 """
 
 
+def served_target(manifest: dict[str, Any]) -> str:
+    """What the card's serve commands load: the manifest's `serve_model` (a hub id, or a local folder the user gave);
+    for manifests written before it, the folder training loaded unless that is a dequantized copy of the embedded
+    SmolLM2 in some machine's cache, which is served as SmolLM2's hub id; else a placeholder to fill in."""
+    from dflash2.locate import SMOLLM2_HUB_ID, is_dequantized_smollm2
+
+    target = manifest.get("target") or "<target model>"
+    placeholder = f"<hub id or folder of {target}>"
+    if "serve_model" in manifest:
+        return manifest["serve_model"] or placeholder
+    loaded = manifest.get("target_path")
+    if loaded and is_dequantized_smollm2(loaded):
+        return SMOLLM2_HUB_ID
+    if loaded and Path(loaded).parent.name == "gguf":  # another GGUF's dequantized copy: machine-local
+        return placeholder
+    return loaded or placeholder
+
+
+def _is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~", "<"))
+
+
 def _metric_order(name: str) -> tuple[str, int]:
     """`val/acc_2` before `val/acc_10`: slots in their order, the other metrics by name."""
     stem, _, slot = name.rpartition("_")
@@ -107,18 +132,25 @@ def _number(v: Any) -> str:
 
 
 def export_checkpoint(
-    ckpt_path: str | Path, output_dir: str | Path, max_shard_size: int | str = "5GB", overwrite: bool = False
+    ckpt_path: str | Path,
+    output_dir: str | Path,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    allow_pickle: bool = False,
 ) -> Path:
-    """Write a training checkpoint as a servable folder (config.json, bf16 safetensors, README.md)."""
+    """Write a training checkpoint as a servable folder (config.json, bf16 safetensors, README.md). `allow_pickle`:
+    also load a checkpoint holding pickled objects (it runs their code; `load_checkpoint`)."""
     output_dir = Path(output_dir).absolute()
     if output_dir.exists() and not overwrite:
         raise FileExistsError(f"output_dir {output_dir} exists: pick another one or pass overwrite=true")
     file = find_checkpoint(ckpt_path)
-    ckpt = load_checkpoint(file)
+    ckpt = load_checkpoint(file, allow_pickle)
     model = draft_from_checkpoint(ckpt, file)
     info = read_info(ckpt)
     if info.get("manifest"):
-        model.config.extra[MANIFEST_KEY] = plain(info["manifest"])
+        # The metrics as data beside the identity, for evaluate.py's tau_sim (the model card shows them to people).
+        metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
+        model.config.extra[MANIFEST_KEY] = plain(info["manifest"]) | ({METRICS_KEY: metrics} if metrics else {})
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_killed_exports(output_dir)
@@ -229,14 +261,19 @@ def main(cfg: Any) -> int:
         return 0 if report.ok else 1
     if not cfg.get("ckpt_path") or not cfg.get("output_dir"):
         print(
-            "usage: python export.py ckpt_path=<last.ckpt or run dir> output_dir=<dir> [max_shard_size=5GB] "
-            "[overwrite=true]\n       python export.py check=<drafter dir>\n"
+            "usage: python export.py ckpt_path=<run dir (its best by val/tau_sim) or .ckpt> output_dir=<dir> "
+            "[max_shard_size=5GB] "
+            "[overwrite=true] [allow_pickle=true]\n       python export.py check=<drafter dir>\n"
             "Quote paths that contain '=' (Lightning's epoch=1-step=10.ckpt) for Hydra: 'ckpt_path=\"<path>\"'"
         )
         return 2
     try:
         out = export_checkpoint(
-            cfg.ckpt_path, cfg.output_dir, cfg.get("max_shard_size", "5GB"), bool(cfg.get("overwrite", False))
+            cfg.ckpt_path,
+            cfg.output_dir,
+            cfg.get("max_shard_size", "5GB"),
+            bool(cfg.get("overwrite", False)),
+            bool(cfg.get("allow_pickle", False)),
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"export failed: {e}")

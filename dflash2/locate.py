@@ -4,6 +4,7 @@ into a folder on first use) or the embedded SmolLM2; every failure to find one i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,10 @@ from dflash2.bench import package_file
 from dflash2.cache import cache_root, model_folder
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The model the embedded GGUF quantizes, as engines load it: what a drafter of the embedded target is served with.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# GGUF metadata fields that may name the model a file was converted from, in the order they are trusted.
+GGUF_SOURCE_FIELDS = ("general.source.huggingface.repository", "general.base_model.0.repo_url", "general.source.url")
 
 
 class TargetNotFoundError(ValueError):
@@ -40,6 +45,47 @@ def target_source(path: str | None, gguf_file: str | None) -> tuple[str, dict[st
     if gguf_file:
         return str(_dequantized(_gguf_path(str(path), gguf_file, kwargs))), {}
     return str(path), kwargs
+
+
+def serve_model(path: str | None, gguf_file: str | None) -> str | None:
+    """What an engine (SGLang `--model-path`, `vllm serve`) loads for the `model` group's `path`: a hub id as given, a
+    local folder by its absolute path, for the embedded SmolLM2 its hub id, and for another GGUF the hub repository
+    its metadata names. None when nothing portable is known (a GGUF that names no source): the dequantized copy in
+    this machine's cache is no place to serve from."""
+    if path in (None, "smollm2"):
+        return SMOLLM2_HUB_ID
+    path = str(path)
+    if path.endswith(".gguf") or gguf_file:
+        gguf = Path(path).expanduser() if path.endswith(".gguf") else Path(path).expanduser() / gguf_file
+        if not gguf.is_file() and gguf_file:  # a hub repository's GGUF: the copy its loading left in the HF cache
+            import huggingface_hub as hub
+
+            cached = hub.try_to_load_from_cache(path, gguf_file)
+            gguf = Path(cached) if isinstance(cached, str) else gguf
+        return gguf_source(gguf) if gguf.is_file() else None
+    local = Path(path).expanduser()
+    return str(local.absolute()) if local.is_dir() else path
+
+
+def gguf_source(gguf: Path) -> str | None:
+    """The hub id a GGUF file says it was converted from (`GGUF_SOURCE_FIELDS`), if it says so."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    for key in GGUF_SOURCE_FIELDS:
+        if key in fields:
+            value = str(fields[key].contents()).strip().rstrip("/")
+            hub_id = value.removeprefix("https://huggingface.co/").removeprefix("hf.co/")
+            if hub_id.count("/") == 1 and "://" not in hub_id:
+                return hub_id
+    return None
+
+
+def is_dequantized_smollm2(folder: str | Path) -> bool:
+    """Whether `folder` is a dequantized copy of the embedded GGUF as `_dequantized` names them (`<cache>/gguf/<stem>-
+    <key>`), on this machine or the one a drafter was trained on: such a drafter is served with SMOLLM2_HUB_ID."""
+    folder = Path(folder)
+    return folder.parent.name == "gguf" and folder.name.startswith(Path(SMOLLM2_GGUF).stem + "-")
 
 
 def _not_found(path: str, why: str) -> TargetNotFoundError:
@@ -122,10 +168,27 @@ def _dequantized(gguf: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
+    return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{gguf_folder_key(gguf)}", build)
+
+
+def gguf_folder_key(gguf: Path) -> str:
+    """The dequantized folder's cache key: what decides its content, i.e. the GGUF file's bytes (name, size and sha256)
+    and how `_dequantized` builds the folder (GGUF_FOLDER_VERSION). Not where the file lies: each virtual environment
+    installs the embedded GGUF at a path of its own, and keying by that wrote another ~540 MB copy per environment."""
     stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{GGUF_FOLDER_VERSION}"
-    key = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return model_folder(cache_root() / "gguf" / f"{gguf.stem}-{key}", build)
+    digest = _sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = f"{gguf.name}:{stat.st_size}:{digest}:v{GGUF_FOLDER_VERSION}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file (0.2 s for SmolLM2's 98 MB), once per process and version of the file (size, mtime)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def smollm2_folder() -> Path:

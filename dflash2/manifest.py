@@ -3,6 +3,9 @@
 A drafter reads its target's hidden states, embedding and head, so pairing it with another target (or with a
 tokenizer that numbers tokens differently) loads fine and silently proposes garbage. Training writes the
 manifest; the evaluator refuses a mismatch before wasting a run. Engines ignore the unknown field.
+
+The export adds `metrics`, the exported checkpoint's validation metrics (`{"val/tau_sim": 3.12, ...}`): the data the
+evaluator compares a measured tau with (`manifest_metric`), where the model card only shows them to people.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ log = logging.getLogger(__name__)
 MANIFEST_KEY = "dflash2_manifest"
 # Keys that change with the library version, the download path or the load dtype, not with the model.
 VOLATILE_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype"})
+# The validation metrics of the exported checkpoint, as logged ("val/tau_sim"), written by the export.
+METRICS_KEY = "metrics"
 # A different value in any of these means the drafter was trained for another model.
 IDENTITY_FIELDS = ("target_config_hash", "vocab_hash")
 
@@ -79,6 +84,12 @@ def build_manifest(identity: dict[str, Any], data_source: str, steps: int, **ext
         "training_steps": int(steps),
         **extra,
     }
+
+
+def manifest_metric(manifest: dict[str, Any] | None, name: str) -> float | None:
+    """A validation metric the export recorded (`name` as logged without its stage: "tau_sim"), None if it did not."""
+    value = ((manifest or {}).get(METRICS_KEY) or {}).get(f"val/{name}")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def read_manifest(path: str | Path | dict[str, Any]) -> dict[str, Any] | None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import sys
+import warnings
 from typing import Any
 
 from tqdm import tqdm
@@ -28,6 +30,48 @@ class _Nowhere(io.TextIOBase):
 def interactive() -> bool:
     """Both output streams on a terminal: someone watches a bar there. Otherwise the output lands in files."""
     return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+# Library warnings that tell a user of dflash2 nothing to act on; silenced so that a run's output (in a file under nohup
+# or a scheduler above all) keeps to its own lines. Message patterns, each with why it is noise:
+QUIET_WARNINGS = (
+    r"'set_vital' is deprecated",  # torchdata's StatefulDataLoader calls a torch API torch deprecates
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning 2.6's use of torch's pytree
+    r"You have overridden `on_before_batch_transfer` in `LightningModule`",  # DFlash2Module's blocks, on purpose
+    r"When using the `ThroughputMonitor`, you need to define a `flops_per_batch`",  # it logs tokens/s, not FLOPs
+    r"Checkpoint directory .* exists and is not empty",  # a resume writes into its own run's checkpoints/ by design
+)
+# Lightning's informational lines that are not about the run: an advertisement, and a step of its own bookkeeping.
+QUIET_LIGHTNING_LINES = ("\N{ELECTRIC LIGHT BULB} Tip:", "Loading `train_dataloader` to estimate")
+
+
+class _DropLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIET_LIGHTNING_LINES)
+
+
+_DROP_LINES = _DropLines()
+
+
+def quiet_libraries() -> None:
+    """Keep a run's output to its own lines: the library warnings of QUIET_WARNINGS and Lightning's
+    QUIET_LIGHTNING_LINES are dropped; off a terminal, where each frame of a bar lands in the file as a line of its
+    own, the Hugging Face libraries' progress bars (loading weights, mapping datasets, downloads) are off too, and
+    dflash2's own `Progress` logs there instead."""
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DROP_LINES)  # a set: added once
+    if interactive():
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported, later
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    huggingface_hub.utils.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 class Progress(tqdm):

@@ -31,6 +31,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+SEED_ENV = "DFLASH2_TEST_SEED"
+
+
+@pytest.fixture(autouse=True)
+def random_seed(request: pytest.FixtureRequest) -> int:
+    """Python's `random` starts every test from a seed of its own, drawn afresh (or $DFLASH2_TEST_SEED), so that what a
+    test draws from it (sizes, a torch.Generator's seed) varies from run to run and a failure can be replayed: its
+    report names the seed (pytest_runtest_makereport below)."""
+    seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**32))
+    random.seed(seed)
+    request.node.random_seed = seed
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "random_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", f"{SEED_ENV}={seed} replays this test's draws from `random`"))
+
+
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random chat file, the same every run: two turns per chat, replies long enough for several blocks."""

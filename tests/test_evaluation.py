@@ -25,19 +25,21 @@ def tiny():
 
 
 def export_draft(target, folder, selector=True, manifest=None, tau_sim=None):
-    """A random drafter for the `tiny` target, saved as an export folder (with a README metrics table)."""
+    """A random drafter for the `tiny` target, saved as an export folder; `tau_sim` is recorded as the export records
+    it (config.json's dflash2_manifest.metrics), and a README's table says otherwise, to be ignored."""
     parts = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4) if selector else {}
     cfg = tiny_draft_config(target, **parts)
     if manifest is None:
         manifest = build_manifest(target_identity("tiny", target.config, target.tokenizer), "test", 0)
+    if tau_sim is not None:
+        manifest = manifest | {"metrics": {"val/tau_sim": tau_sim, "val/acc_1": 0.5}}
     cfg.extra[MANIFEST_KEY] = manifest
     draft = DFlash2DraftModel(cfg)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     draft.save_pretrained(folder)
-    if tau_sim is not None:
-        (Path(folder) / "README.md").write_text(f"| metric | value |\n|---|---|\n| `val/tau_sim` | {tau_sim} |\n")
+    (Path(folder) / "README.md").write_text("| metric | value |\n|---|---|\n| `val/tau_sim` | 9.75 |\n")
     return folder
 
 
@@ -195,16 +197,26 @@ def test_acceptance_stats_by_hand():
     assert stats["tau"] == pytest.approx(11 / 5)
 
 
-def test_tau_sim_comes_from_the_manifest_or_the_readme(tmp_path):
-    assert read_tau_sim(tmp_path) is None
-    (tmp_path / "README.md").write_text("| `val/acc_1` | 0.5 |\n| `val/tau_sim` | 3.2500 |\n")
-    assert read_tau_sim(tmp_path) == 3.25
-    assert read_tau_sim(tmp_path, {"metrics/tau_sim": 4.0}) == 4.0
+def test_tau_sim_comes_from_the_exports_data_not_its_readme(tmp_path):
+    """tau_sim is read from config.json's manifest (`metrics`, as the export writes it), never from the model card."""
+    assert read_tau_sim(None) is None and read_tau_sim({"target": "tiny"}) is None
+    metrics = {"val/tau_sim": 3.25, "val/tau_sim_top1": 2.5, "val/acc_1": 0.5}
+    assert read_tau_sim({"metrics": metrics}) == 3.25
     # A DFlash2 drafter also records its argmax path, the comparator of a run with selector=false.
-    (tmp_path / "README.md").write_text("| `val/tau_sim` | 3.2500 |\n| `val/tau_sim_top1` | 2.5000 |\n")
-    assert read_tau_sim(tmp_path) == 3.25 and read_tau_sim(tmp_path, name="tau_sim_top1") == 2.5
-    both = {"metrics/tau_sim_top1": 2.0, "metrics/tau_sim": 4.0}
-    assert read_tau_sim(tmp_path, both) == 4.0 and read_tau_sim(tmp_path, both, "tau_sim_top1") == 2.0
+    assert read_tau_sim({"metrics": metrics}, "tau_sim_top1") == 2.5
+    assert read_tau_sim({"metrics": {"val/tau_sim": "3.25"}}) is None  # not a number: not recorded
+
+
+def test_an_evaluation_reads_tau_sim_from_config_json_alone(tiny, tmp_path):
+    from dflash2.evaluation import describe_draft
+
+    draft = export_draft(tiny, tmp_path / "draft", tau_sim=1.75)
+    assert "9.75" in (draft / "README.md").read_text()  # the card says otherwise: it is for people
+    described = describe_draft(config(f"drafter={draft}"), DFlash2DraftModel.from_pretrained(draft), True, 4)
+    assert read_tau_sim(described["manifest"]) == 1.75
+    bare = export_draft(tiny, tmp_path / "bare")
+    described = describe_draft(config(f"drafter={bare}"), DFlash2DraftModel.from_pretrained(bare), True, 4)
+    assert read_tau_sim(described["manifest"]) is None
 
 
 def evaluate_cli(cwd: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
@@ -230,7 +242,17 @@ def sweep(tiny, tmp_path_factory):
     with (root / "evaluate.out").open("w") as out:
         run = evaluate_cli(root, "-m", *args, "max_new_tokens=6", f"hydra.sweep.dir={root / 'multirun'}", stdout=out)
     assert run.returncode == 0, run.stderr[-3000:]
+    (root / "evaluate.err").write_text(run.stderr)
     return root / "multirun", (root / "evaluate.out").read_text()
+
+
+def test_output_to_a_file_has_no_bar_frames_or_library_warnings(sweep):
+    sweep_dir, stdout = sweep
+    output = stdout + (sweep_dir.parent / "evaluate.err").read_text()
+    assert "\r" not in output and "it/s]" not in output and "Loading weights" not in output
+    for noise in ("Warning", "deprecated"):
+        assert noise not in output, (noise, output)
+    assert output.count("decode: 2/2 requests") == 8
 
 
 def test_sweep_writes_runs_summary_and_plots(sweep):
@@ -279,6 +301,29 @@ def test_a_damaged_drafter_fails_in_one_sentence_before_the_target_loads(tiny, t
     assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
     (line,) = done.stderr.strip().splitlines()  # what export.py check says, on one line
     assert f"drafter={draft}" in line and "model.safetensors is unreadable" in line
+    assert not (tmp_path / "outputs").exists()  # refused before Hydra made the run folder
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["-m", "drafter={draft},pld", "bench=gsm8k,mbpp"], "drafter={draft} fails `export.py check`"),
+        (["drafter={tmp}/missing"], "drafter={tmp}/missing fails `export.py check`"),
+        (["drafter=pld", "pld.max_ngram=0"], "pld.max_ngram=0"),
+        (["drafter={draft}", "repeats=0"], "repeats=0"),
+    ],
+)
+def test_a_refused_start_leaves_no_run_or_sweep_folder(tiny, tmp_path, args, error):
+    """A bad drafter (in a sweep too) or setting fails in one line before Hydra makes a run or sweep folder: nothing
+    to clean up under outputs/ or multirun/."""
+    draft = export_draft(tiny, tmp_path / "draft")
+    if "repeats=0" not in args:
+        (draft / "config.json").write_text("{")  # a damaged export
+    fill = {"draft": draft, "tmp": tmp_path}
+    done = evaluate_cli(tmp_path, *(a.format(**fill) for a in args), "model=tiny", f"model.path={tiny_target_path()}")
+    assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+    assert error.format(**fill) in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
 def test_notebook_runs_on_the_sweep(sweep, monkeypatch):

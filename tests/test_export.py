@@ -22,6 +22,7 @@ from dflash2 import DFlash2Config, DFlash2DraftModel, tensor_shapes
 from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint
 from dflash2.export import export_checkpoint
 from dflash2.lint import LintReport
+from dflash2.locate import SMOLLM2_HUB_ID
 from dflash2.manifest import build_manifest, check_manifest, read_manifest, target_identity
 from dflash2.model import read_safetensors
 
@@ -179,6 +180,32 @@ def test_corrupt_checkpoint_fails_clearly_and_leaves_nothing(tmp_path, corruptio
     assert leftovers(tmp_path, {"last.ckpt"}) == []
 
 
+class Touch:
+    """Pickled, it names a call: unpickling it creates `marker`, i.e. runs code the file chose."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_with_pickled_code_is_refused_unless_allowed(tmp_path):
+    """A checkpoint that only full unpickling reads is refused in one sentence naming allow_pickle, and nothing in it
+    runs; with allow_pickle=true (a file the user trusts) it exports."""
+    marker = tmp_path / "ran"
+    ckpt = write_ckpt(
+        tmp_path / "last.ckpt", trained_model(tiny_config()), changes={("hyper_parameters", "x"): Touch(marker)}
+    )
+    with pytest.raises(ValueError, match=r"holds pickled objects .*Unsupported global.*pass allow_pickle=true") as e:
+        export_checkpoint(ckpt, tmp_path / "drafter")
+    assert "\n" not in str(e.value) and not marker.exists() and leftovers(tmp_path, {"last.ckpt"}) == []
+    done = run_cli(f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'drafter'}")
+    assert done.returncode == 1 and "allow_pickle=true" in done.stdout and not marker.exists()
+    export_checkpoint(ckpt, tmp_path / "drafter", allow_pickle=True)
+    assert marker.exists() and (tmp_path / "drafter" / "config.json").is_file()
+
+
 def test_a_failing_lint_leaves_nothing_behind(tmp_path, monkeypatch):
     ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
     monkeypatch.setattr("dflash2.export.lint", lambda path: LintReport(Path(path), problems=["injected fault"]))
@@ -255,6 +282,49 @@ def test_the_model_card_serves_the_target_that_training_loaded(tmp_path):
     assert "--model-path /models/SmolLM2-135M-Instruct " in card and "vllm serve /models/SmolLM2-135M-Instruct " in card
 
 
+@pytest.mark.parametrize(
+    "recorded, served",
+    [
+        # trained on the embedded GGUF: its dequantized copy in that machine's cache is served as SmolLM2's hub id
+        ({"target_path": "/root/w/.cache/gguf/SmolLM2-135M-Instruct.Q4_1-6c734edd4904"}, SMOLLM2_HUB_ID),
+        ({"target_path": "/x/gguf/SmolLM2-135M-Instruct.Q4_1-1", "serve_model": SMOLLM2_HUB_ID}, SMOLLM2_HUB_ID),
+        ({"target_path": "/x/gguf/Other-Q8-123"}, "<hub id or folder of smollm2>"),  # no portable name known
+        ({"target_path": "/x/gguf/Other-Q8-123", "serve_model": None}, "<hub id or folder of smollm2>"),
+        ({"target_path": "/models/SmolLM2", "serve_model": "/models/SmolLM2"}, "/models/SmolLM2"),
+    ],
+)
+def test_the_model_card_serves_a_hub_id_not_a_cache_folder(tmp_path, recorded, served):
+    identity = target_identity("smollm2", *tiny_target())
+    manifest = build_manifest(identity, "sharegpt", 42, **recorded)
+    model = trained_model(tiny_config())
+    out = export_checkpoint(write_ckpt(tmp_path / "last.ckpt", model, manifest), tmp_path / "d")
+    card = (out / "README.md").read_text()
+    assert f"--model-path {served} " in card and f"vllm serve {served} " in card
+    assert "/gguf/" not in card.split("## Serving")[1]
+    assert ("base_model: " + (served if served == SMOLLM2_HUB_ID else "smollm2")) in card
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_model_card_counts_draft_layers(layers):
+    from dflash2.export import model_card
+
+    cfg = DFlash2Config.from_dict(tiny_config().to_dict() | {"num_hidden_layers": layers, "layer_types": None})
+    card = model_card(cfg, {})
+    assert f"{layers} draft layer{'s' if layers > 1 else ''}, hidden size" in card
+    assert "1 draft layers" not in card
+
+
+def test_a_run_records_what_engines_load_for_its_target(tmp_path):
+    """The manifest names the target as engines load it: the embedded SmolLM2 as its hub id, a hub id as given, a local
+    folder by its absolute path, and a GGUF by the repository its metadata names (None when it names none)."""
+    from dflash2.locate import _smollm2_gguf, serve_model
+
+    assert serve_model(None, "SmolLM2-135M-Instruct.Q4_1.gguf") == serve_model("smollm2", None) == SMOLLM2_HUB_ID
+    assert serve_model("Qwen/Qwen3-8B", None) == "Qwen/Qwen3-8B"
+    assert serve_model(str(tmp_path), None) == str(tmp_path.absolute())
+    assert serve_model(str(_smollm2_gguf()), None) is None  # its metadata names no source repository
+
+
 @pytest.mark.parametrize("conv", [False, True])
 def test_the_model_card_tags_its_kind_once_and_lists_the_slots_in_order(conv):
     from dflash2.export import model_card
@@ -278,6 +348,35 @@ def test_find_checkpoint_prefers_last_then_the_highest_step(tmp_path):
     assert find_checkpoint(tmp_path / "run").name == "last.ckpt"
     with pytest.raises(FileNotFoundError, match="ckpt_path"):
         find_checkpoint(tmp_path / "missing")
+
+
+def test_a_run_dir_exports_its_best_checkpoint_by_tau_sim_and_says_so(tmp_path, caplog):
+    """As Lightning's ckpt_path="best": in a run dir the export takes the checkpoint with the highest recorded
+    val/tau_sim (not last.ckpt, a later but worse state), logs which and why, and its config.json carries its
+    metrics; a .ckpt file passed as ckpt_path is taken as given."""
+    folder = tmp_path / "run" / "checkpoints"
+    model = trained_model(tiny_config())
+
+    def at(step: int, tau: float) -> dict:
+        return {("global_step",): step, ("dflash2", "step"): step, ("dflash2", "metrics"): {"val/tau_sim": tau}}
+
+    manifest = build_manifest(target_identity("tiny/target", *tiny_target()), "test", 2)
+    write_ckpt(folder / "epoch=0-step=2.ckpt", model, manifest, changes=at(2, 1.5))
+    write_ckpt(folder / "epoch=0-step=1.ckpt", model, manifest, changes=at(1, 1.25))
+    write_ckpt(folder / "last.ckpt", model, manifest, changes=at(4, 1.4))
+    with caplog.at_level(logging.INFO, logger="dflash2.checkpoint"):
+        assert find_checkpoint(tmp_path / "run") == folder / "epoch=0-step=2.ckpt"
+        assert find_checkpoint(folder) == folder / "epoch=0-step=2.ckpt"
+    line = caplog.records[0].getMessage()
+    assert "taking checkpoints/epoch=0-step=2.ckpt, the best by val/tau_sim (1.5000 at step 2; the latest, " in line
+    assert "last.ckpt, has 1.4000 at step 4)" in line
+    assert find_checkpoint(folder / "last.ckpt") == folder / "last.ckpt"
+    out = export_checkpoint(tmp_path / "run", tmp_path / "drafter")
+    assert read_manifest(out)["metrics"] == {"val/tau_sim": 1.5}
+    # A tie, as when last.ckpt is the best's hard link: the later state, under the best's own name.
+    os.remove(folder / "last.ckpt")
+    os.link(folder / "epoch=0-step=2.ckpt", folder / "last.ckpt")
+    assert find_checkpoint(tmp_path / "run") == folder / "epoch=0-step=2.ckpt"
 
 
 # ---------------------------------------------------------------------- manifest
@@ -307,8 +406,9 @@ def test_manifest_round_trips_and_refuses_another_target(tmp_path, caplog):
     out = export_checkpoint(
         write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()), manifest), tmp_path / "drafter"
     )
-    assert read_manifest(out) == manifest
-    assert DFlash2DraftModel.from_pretrained(out).config.extra["dflash2_manifest"] == manifest
+    # The checkpoint's validation metrics ride along as data (evaluate.py's tau_sim reads them there).
+    assert read_manifest(out) == manifest | {"metrics": {"val/tau_sim": 3.25, "val/acc_1": 0.8}}
+    assert DFlash2DraftModel.from_pretrained(out).config.extra["dflash2_manifest"] == read_manifest(out)
     assert "tiny/target" in (out / "README.md").read_text()
     check_manifest(read_manifest(out), target_identity("tiny/target", *tiny_target()))
 

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from training_setup import ROOT, config, tiny_overrides
 
 from dflash2.config import tensor_shapes
+from dflash2.testing import tiny_target_path
 from dflash2.training import train
 
 
@@ -42,6 +43,7 @@ def test_checkpoint_layout_and_resume(chats, tmp_path):
     assert ckpt["global_step"] == 3 and ckpt["dflash2"]["step"] == 3
     assert set(ckpt["dflash2"]) == {"manifest", "metrics", "step"}
     assert ckpt["dflash2"]["manifest"]["target"] == "tiny" and ckpt["dflash2"]["manifest"]["training_steps"] == 3
+    assert ckpt["dflash2"]["manifest"]["serve_model"] == tiny_target_path()  # what engines load: the folder
     assert ckpt["dflash2"]["metrics"]["val/tau_sim"] == first["end"]["val/tau_sim"]
     cfg = ckpt["hyper_parameters"]["draft_config"]
     assert cfg["dflash_config"]["selector_top_k"] == 4
@@ -105,6 +107,26 @@ def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_
     assert result["ckpt_path"] == str(run / "checkpoints" / "last.ckpt") and result["global_step"] == 4
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    # last.ckpt was the best's hard link after step 2; saving step 4 replaced the link, never wrote through it.
+    best = run / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert torch.load(best, weights_only=True)["global_step"] == 2 and best.stat().st_nlink == 1
+
+
+def test_when_the_latest_validation_is_the_best_one_copy_is_kept(chats, tmp_path):
+    """A run whose last validation is also its best keeps one file under two names (last.ckpt a hard link to the
+    best), not two copies of the same state; a resume and the exporter read last.ckpt as before."""
+    from dflash2.checkpoint import draft_from_checkpoint
+
+    run = tmp_path / "run"
+    result = train(config(chats, run, "trainer.max_steps=2", "trainer.max_epochs=5", "validate_first=false"))
+    folder = run / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    last, best = folder / "last.ckpt", folder / "epoch=0-step=2.ckpt"
+    assert result["ckpt_path"] == str(last) and last.samefile(best) and not last.is_symlink()
+    ckpt = torch.load(last, weights_only=True)
+    assert ckpt["global_step"] == 2 and draft_from_checkpoint(ckpt)
+    resumed = train(config(chats, run, "trainer.max_steps=3", "trainer.max_epochs=5", f"ckpt_path={last}"))
+    assert resumed["global_step"] == 3 and torch.load(last, weights_only=True)["global_step"] == 3
 
 
 class FirstStepFc(Callback):
@@ -200,7 +222,7 @@ def test_unavailable_target_fails_fast_in_one_sentence(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     start = time.time()
     done = subprocess.run(
-        [sys.executable, "train.py", "model=qwen3", f"run_dir={tmp_path / 'run'}"],
+        [sys.executable, "train.py", "model=qwen3", "~experiment", f"run_dir={tmp_path / 'run'}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -230,30 +252,53 @@ def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatc
         train(cfg)
 
 
-@pytest.mark.parametrize("model", sorted(p.stem for p in (ROOT / "configs" / "quickstart").glob("*.yaml")))
-def test_a_models_quickstart_sizes_are_its_defaults(model):
-    """`python train.py model=<m>` runs with every setting of configs/quickstart/<m>.yaml (smollm2's: the CPU
-    quickstart), and an experiment replaces them."""
+def leaves(tree: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf of a nested dict."""
+    for key, value in tree.items():
+        yield from leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+
+
+def select(cfg: dict, key: str):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def test_the_quickstart_is_an_explicit_experiment_and_the_model_alone_shrinks_nothing():
+    """`python train.py` is experiment=quickstart, every size of configs/quickstart/smollm2.yaml; `model=smollm2`
+    without that experiment keeps the groups' own sizes (the quickstart's are no hidden per-model default), and an
+    experiment replaces the quickstart."""
     import yaml
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    sizes = yaml.safe_load((ROOT / "configs" / "quickstart" / f"{model}.yaml").read_text())
-    assert sizes, f"configs/quickstart/{model}.yaml is empty"
+    sizes = dict(leaves(yaml.safe_load((ROOT / "configs" / "quickstart" / "smollm2.yaml").read_text())))
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("train", overrides=[f"model={model}"]))
-        recipe = compose("train", overrides=[f"model={model}", "experiment=gpu_smollm2"])
-
-    def leaves(tree: dict, prefix: str = ""):
-        for key, value in tree.items():
-            yield from leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
-
-    for key, value in leaves(sizes):
-        node = cfg
-        for part in key.split("."):
-            node = node[part]
-        assert node == value, key
+        default = compose("train", return_hydra_config=True)
+        plain = OmegaConf.to_container(compose("train", overrides=["model=smollm2", "~experiment"]))
+        choices = default.hydra.runtime.choices
+        groups = {g: OmegaConf.to_container(compose(f"{g}/{choices[g]}")) for g in ("draft", "data")}
+        recipe = compose("train", overrides=["experiment=gpu_smollm2"])
+    assert default.hydra.runtime.choices["experiment"] == "quickstart" and default.model.name == "smollm2"
+    quickstart = OmegaConf.to_container(default)
+    for key, value in sizes.items():
+        assert select(quickstart, key) == value, key
+    for key in (k for k in sizes if k.split(".")[0] in groups):
+        group = key.split(".")[0]  # a group's config composes under its package: {"draft": {...}}
+        assert select(plain, key) == select(groups[group], key), f"{key} is not the {group} group's own"
+    assert plain["draft"]["block_size"] != sizes["draft.block_size"] and plain["task_name"] == "train"
     assert recipe.draft.block_size == 16 and recipe.task_name == "gpu_smollm2"
+
+
+@pytest.mark.parametrize("model", ["qwen3", "tiny"])
+def test_the_quickstart_is_refused_with_another_target(tmp_path, model):
+    """The default experiment's sizes are SmolLM2's: `python train.py model=qwen3` fails in one sentence naming the
+    choice and the fix, before anything loads and without a run folder."""
+    done = train_cli(f"model={model}", f"run_dir={tmp_path / 'run'}")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"model={model} runs under experiment=quickstart" in last and "~experiment" in last
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))
@@ -279,15 +324,56 @@ def train_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def cli_run(chats, tmp_path_factory):
-    """A 4-step run validating at steps 2 and 4, its output to a file. With the learning rate at 0 the best checkpoint
-    stays the step-2 one, a point to resume from."""
+    """A 4-step run validating at steps 2 and 4, its output to a file (stderr in train.err) with Lightning's progress
+    bar on as configured by default. With the learning rate at 0 the best checkpoint stays the step-2 one, a point to
+    resume from."""
     run = tmp_path_factory.mktemp("cli") / "run"
     lines = ["trainer.max_steps=4", "trainer.max_epochs=5", "trainer.val_check_interval=2", "optim.lr=0"]
+    lines += ["trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=true"]
     out = run.parent / "train.out"
     with out.open("w") as f:
-        done = train_cli(*tiny_overrides(chats, run, *lines, "trainer.check_val_every_n_epoch=null"), stdout=f)
+        done = train_cli(*tiny_overrides(chats, run, *lines), stdout=f)
     assert done.returncode == 0, done.stderr[-3000:]
+    (run.parent / "train.err").write_text(done.stderr)
     return run, out.read_text()
+
+
+def test_output_to_a_file_keeps_to_the_runs_lines(cli_run):
+    """Off a terminal (nohup, `> file`) the output holds log lines only: no progress-bar frames (Lightning's bar, the
+    Hugging Face libraries' bars), no library deprecation warnings, no advertisement."""
+    run, stdout = cli_run
+    output = stdout + (run.parent / "train.err").read_text()
+    assert "\r" not in output and "\N{BOX DRAWINGS HEAVY HORIZONTAL}" not in output and "it/s]" not in output
+    for noise in ("Warning", "deprecated", "Tip:", "Loading weights", "Rendering chats", "flops_per_batch"):
+        assert noise not in output, (noise, output)
+    assert "validation at step 4: tau_sim " in output and "train: 4/4 steps" in output  # dflash2's own lines
+
+
+def test_the_first_log_line_says_what_the_run_trains(cli_run):
+    run, _ = cli_run
+    first = (run / "train.log").read_text().splitlines()[0]
+    assert f"no experiment (task train): target tiny ({tiny_target_path()}), " in first, first
+    for part in ("DFlash2 drafter of 1 draft layer over target layers [1, 2]", "block size 4",
+                 "batch 4 chats of max_length 128", "4 steps (at most 5 epochs)", "trainer cpu"):  # fmt: skip
+        assert part in first, (part, first)
+
+
+def test_the_quickstarts_line_names_it_and_its_sizes():
+    """What `python train.py` logs first: the experiment and every size that makes it the quickstart."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash2.training.run import describe_run
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=cpu"])
+    d = cfg.draft
+    line = describe_run(cfg, "quickstart")
+    assert line == (
+        f"experiment=quickstart: target smollm2 (the embedded GGUF), DFlash2 drafter of {d.num_hidden_layers} draft "
+        f"layer over target layers {list(d.target_layer_ids)}, block size {d.block_size}, batch {cfg.data.batch_size} "
+        f"chats of max_length {cfg.data.max_length}, data sharegpt (first {cfg.data.limit}), "
+        f"{cfg.trainer.max_epochs} epoch, trainer cpu"
+    )
 
 
 def test_train_log_holds_each_validation_and_the_summary_off_a_terminal(cli_run):

