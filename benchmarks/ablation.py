@@ -39,7 +39,8 @@ VARIANTS: dict[str, list[str]] = {
     "selector_ramp": ["objective.selector_ramp_steps=600"],
     "batch4": ["data.batch_size=4"],  # the recipe's batch before 2026-12-02
     "dflash": ["draft=dflash"],
-    # The warm start: only the conv and the selector train, on the DFlash export that ablation.sh's DFLASH_EXPORT names.
+    # The warm start: only the conv and the selector train, on the DFlash export that ablation.sh's DFLASH_EXPORT names
+    # (it replaces the placeholder).
     "warm": ["module.init_from=@DFLASH_EXPORT@", "module.train_backbone=false"],
 }
 BASELINE, PLD = "dflash2", "pld"

