@@ -32,7 +32,7 @@ VARIANTS: dict[str, list[str]] = {
     "layers3": ["draft.num_hidden_layers=3", "draft.target_layer_ids=[1,14,27]"],
     "layers5": ["draft.num_hidden_layers=5", "draft.target_layer_ids=[1,8,14,20,27]"],
     "layers8": ["draft.num_hidden_layers=8", "draft.target_layer_ids=[1,5,8,12,16,20,23,27]"],
-    "dpace": ["objective.position_weights=dpace"],
+    "decay": ["objective.position_weights=decay"],  # the published slot weights; the recipe's are D-PACE's
     "distill1": ["objective.distill=1.0"],
     "distill05": ["objective.distill=0.5"],
     "selector_alpha05": ["objective.selector_alpha=0.5"],

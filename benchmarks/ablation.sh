@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The ablation on one GPU (BENCHMARKS.md, "Objectives at equal steps"): the DFlash2 baseline and one change at a time
-# (benchmarks/ablation.py lists them: D-PACE slot weights, the warm start, a sliding-window first layer, feature
+# (benchmarks/ablation.py lists them: the published slot decay, the warm start, a sliding-window first layer, feature
 # scaling, init std 0.02, Adam betas (0.9, 0.999), twice the learning rate, 3, 5 or 8 draft layers, distillation 1.0
 # and 0.5, selector weight 0.5 or ramped, 4 conversations per step), plain DFlash as the reference, each trained on the
 # same conversations of the regenerated ShareGPT set (16,211 of them, plus EXTRA_DATA) -> export + check -> measured

@@ -48,7 +48,8 @@ def test_dpace_alpha_outside_its_range_is_refused():
         Objective(dpace_alpha=1.5)
     with pytest.raises(ValueError, match="objective.position_weights=dapce: choose one of decay, dpace"):
         Objective(position_weights="dapce")
-    assert Objective().dpace is None and Objective(position_weights="dpace", dpace_alpha=0.3).dpace == 0.3
+    assert Objective(position_weights="decay").dpace is None
+    assert Objective(position_weights="dpace", dpace_alpha=0.3).dpace == 0.3
 
 
 def losses_case(seed: int):

@@ -22,7 +22,7 @@ class Objective:
     """configs/objective: the losses of contract section 7 and how the head computes them."""
 
     loss_gamma: float | None = None  # slot weight decay exp(-(k-1)/gamma); None = the published value for B
-    position_weights: str = "decay"  # the slots' loss weights: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE)
+    position_weights: str = "dpace"  # the slots' loss weights: "dpace" (D-PACE) or "decay" (exp(-(k-1)/gamma))
     dpace_alpha: float = 0.5  # D-PACE's smoothing of the drafter's confidence, in (0, 1]
     selector_alpha: float = 1.0  # the selector loss's weight ...
     selector_warmup_steps: int = 0  # ... 0 for this many steps ...
