@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from dflash2.contract import check_block_size
 from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
 from dflash2.data.chat import _same_file, load_conversations, sharegpt_path, tokenize_conversations
+from dflash2.data.features import FeatureStore, pad_features, truncate
 
 log = logging.getLogger(__name__)
 
@@ -23,15 +24,20 @@ class AnchoredRows(Dataset):
     """Token rows whose anchors are drawn at fetch time: fresh ones on every training fetch (so every epoch),
     fixed ones per index for validation (so validation metrics are comparable across steps)."""
 
-    def __init__(self, rows: datasets.Dataset, max_anchors: int, seed: int | None):
-        self.rows = rows.with_format("torch", columns=["input_ids", "loss_mask"])
-        self.max_anchors, self.seed = max_anchors, seed
+    def __init__(
+        self, rows: datasets.Dataset, max_anchors: int, seed: int | None, features: FeatureStore | None = None
+    ):
+        columns = ["input_ids", "loss_mask"] + ([] if features is None else ["feature_row"])
+        self.rows = rows.with_format("torch", columns=columns)
+        self.max_anchors, self.seed, self.features = max_anchors, seed, features
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self.rows[index]
+        cached = {} if self.features is None else self.features.row(int(row["feature_row"]))
+        row = truncate(row, cached) if cached else row  # data.features: the positions up to the last trained token
         # Training draws from torch's global RNG, which Lightning seeds per run and per dataloader worker.
         generator = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         anchors = sample_anchors(row["loss_mask"], self.max_anchors, generator)
@@ -39,6 +45,7 @@ class AnchoredRows(Dataset):
             "input_ids": row["input_ids"].long(),
             "loss_mask": row["loss_mask"].long(),
             "anchors": anchors,
+            **cached,
         }
 
 
@@ -75,7 +82,9 @@ class BlockCollator:
         attention_mask = _right_pad([torch.ones_like(r["input_ids"]) for r in rows], length)
         anchors = _right_pad([r["anchors"] for r in rows], blocks)
         anchor_valid = _right_pad([torch.ones_like(r["anchors"], dtype=torch.bool) for r in rows], blocks)
+        cached = pad_features(rows, length) if "features" in rows[0] else {}  # data.features
         return {
+            **cached,
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,
@@ -156,6 +165,7 @@ class DFlashDataModule(L.LightningDataModule):
         pad_to_multiple_of: int = 1,
         drop_last: bool = False,
         extra_paths: list[str] | tuple[str, ...] = (),
+        features: str | None = None,
     ):
         super().__init__()
         check_block_size(block_size)
@@ -171,6 +181,7 @@ class DFlashDataModule(L.LightningDataModule):
             raise ValueError(f"max_length={max_length} must be >= 2 and max_anchors={max_anchors} >= 1")
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = tokenizer
+        self.features = None if features is None else FeatureStore(features)  # the target's, cached
         self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0, pad_to_multiple_of)
         self._prepared: tuple[datasets.Dataset, list[datasets.Dataset]] | None = None
         self.train_rows: datasets.Dataset | None = None
@@ -226,6 +237,7 @@ class DFlashDataModule(L.LightningDataModule):
             return
         h = self.hparams
         rows, extras = self._prepared if self._prepared is not None else self._rows()
+        rows = rows if self.features is None else self.features.attach(rows)
         val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)
         # The split is `path`'s alone, so adding training files leaves the validation chats as they were.
         self.train_rows, self.val_rows = split_by_id(rows, val, h.seed)
@@ -237,7 +249,7 @@ class DFlashDataModule(L.LightningDataModule):
 
     def _loader(self, rows: datasets.Dataset, train: bool) -> StatefulDataLoader:
         h = self.hparams
-        data = AnchoredRows(rows, h.max_anchors, seed=None if train else h.seed)
+        data = AnchoredRows(rows, h.max_anchors, seed=None if train else h.seed, features=self.features)
         return StatefulDataLoader(
             data,
             batch_size=h.batch_size,

@@ -106,7 +106,11 @@ def check_config(cfg: DictConfig) -> None:
 
     check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
     check_drop_last(cfg.data.get("drop_last", False))
-    draft_config(OmegaConf.merge(cfg.draft, warm_start_fields(cfg.module)), target_config_fields(cfg.model))
+    planned = draft_config(OmegaConf.merge(cfg.draft, warm_start_fields(cfg.module)), target_config_fields(cfg.model))
+    if cfg.data.get("features"):  # a cache of another target, layers, template or data is refused before it loads
+        from dflash2.data.features import check_cache
+
+        check_cache(cfg, list(planned.target_layer_ids))
 
 
 def check_data(cfg: DictConfig) -> None:

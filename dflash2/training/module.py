@@ -20,6 +20,7 @@ from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.config import DFlash2Config
 from dflash2.contract import DFLASH_FIELDS
 from dflash2.data.anchors import teacher_positions
+from dflash2.data.features import cached_output
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_module_knobs
@@ -134,6 +135,8 @@ class DFlash2Module(L.LightningModule):
     def target_pass(self, batch: dict[str, torch.Tensor]) -> Any:
         """The target's features of the batch (TargetOutput), with its final hidden states when distilling."""
         with record_function("target"):
+            if "features" in batch:  # data.features: the target's, read from the cache; the target does not run
+                return cached_output(batch, self.target.embed_tokens.weight.dtype)
             final = self.objective.distill > 0
             # No attention mask: rows are right-padded (BlockCollator), so under causal attention no real token sees a
             # pad, and the pads' own features are never read (`known` hides them from every block). Without a mask

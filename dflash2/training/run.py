@@ -238,6 +238,10 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     adopt_warm_start(cfg)
 
     target, draft = target_and_draft(cfg)
+    if cfg.data.get("features"):  # the cache replaces the target's layers: only its embedding and head are used
+        from dflash2.data.features import drop_target_layers
+
+        drop_target_layers(target)
     datamodule = build_data(cfg, target, draft)
     # Read, tokenized and split here, before the logger and its W&B run exist: bad data leaves no run to sync.
     datamodule.prepare_data()
