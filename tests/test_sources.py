@@ -140,15 +140,17 @@ def test_the_one_command_writes_the_same_bytes_twice(tmp_path):
     """Two runs of the command, in interpreters with different hash seeds, write identical files."""
     pytest.importorskip("reasoning_gym")
     repo = Path(__file__).resolve().parents[1]
-    limits = [f"limit.{k}={v}" for k, v in SMALL_MIX.items()]
+    # The generated sources and one packaged one: what depends on the seed and on ordering, at a tenth of the time.
+    mix = {k: v for k, v in SMALL_MIX.items() if k != "chitchat"}
+    limits = [f"limit.{k}={v}" for k, v in mix.items()]
     files = []
     for run, hash_seed in enumerate(("1", "2")):
         out = tmp_path / f"run{run}.jsonl"
-        cmd = [sys.executable, "-m", "dflash2.data.sources", f"sources=[{','.join(SMALL_MIX)}]", *limits]
+        cmd = [sys.executable, "-m", "dflash2.data.sources", f"sources=[{','.join(mix)}]", *limits]
         env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(repo)}
         proc = subprocess.run([*cmd, f"output={out}"], cwd=repo, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert f"wrote {sum(SMALL_MIX.values())} prompts" in proc.stdout
+        assert f"wrote {sum(mix.values())} prompts" in proc.stdout
         assert "gym_logic: 21 prompts kept" in proc.stdout
         files.append(out.read_bytes())
     assert files[0] == files[1]

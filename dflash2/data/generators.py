@@ -113,7 +113,8 @@ def items(family: str, seed: int) -> Iterator[tuple[int, str, str]]:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             # Item i is seeded by seed + i, so a chunk starting at `start` is the stream's items start.. onwards.
             dataset = rg.create_dataset(family, seed=seed + start, size=CHUNK)
-            chunk = [dataset[i] for i in range(CHUNK)]
-        for i, item in enumerate(chunk):
+        for i in range(CHUNK):  # one at a time: some families take 0.1 s an item, and a build may want only a few
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                item = dataset[i]
             yield start + i, str(item["question"]), str(item["answer"])
         start += CHUNK
