@@ -19,10 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash2.chat_template import KWARGS_KEY, format_kwargs
 from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint, plain, read_info
 from dflash2.config import DFlash2Config
 from dflash2.lint import lint
-from dflash2.manifest import MANIFEST_KEY, METRICS_KEY
+from dflash2.manifest import MANIFEST_KEY, METRICS_KEY, manifest_chat_template_kwargs
+
+# Where a Lightning checkpoint keeps the datamodule's hyper-parameters (`CHECKPOINT_HYPER_PARAMS_KEY` of a
+# LightningDataModule): DFlashDataModule's hold the chat template arguments training rendered the data with.
+DATAMODULE_HPARAMS = "datamodule_hyper_parameters"
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,8 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
     layers = f"{cfg.num_hidden_layers} draft layer{'' if cfg.num_hidden_layers == 1 else 's'}"
     shape = f"{layers}, hidden size {cfg.hidden_size}" + "".join(f", {p}" for p in parts)
     metrics = sorted((info.get("metrics") or {}).items(), key=lambda kv: _metric_order(kv[0]))
+    kwargs = manifest_chat_template_kwargs(manifest)
+    rendered = "not recorded" if kwargs is None else f"`{format_kwargs(kwargs)}`"
     table = "\n".join(["| metric | value |", "|---|---|"] + [f"| `{k}` | {_number(v)} |" for k, v in metrics])
     tags = ", ".join(dict.fromkeys(["speculative-decoding", "dflash", kind.lower()]))  # a DFlash drafter: one dflash
     front = ["library_name: dflash2", f"tags: [{tags}]"]
@@ -63,6 +70,7 @@ and head. {shape}.
 |---|---|
 | target | `{target}`: `{served}`{f" (training loaded `{loaded}`)" if loaded and loaded != served else ""} |
 | training data | {manifest.get("data_source", "unknown")} |
+| chat template arguments | {rendered} |
 | training steps | {info.get("step", manifest.get("training_steps", "unknown"))} |
 | dflash2 version | {manifest.get("dflash2_version", "unknown")} |
 
@@ -151,6 +159,10 @@ def export_checkpoint(
         # The metrics as data beside the identity, for evaluate.py's tau_sim (the model card shows them to people).
         metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
         model.config.extra[MANIFEST_KEY] = plain(info["manifest"]) | ({METRICS_KEY: metrics} if metrics else {})
+        # The chat template arguments training rendered with (the datamodule's), which evaluation renders with.
+        kwargs = plain((ckpt.get(DATAMODULE_HPARAMS) or {}).get(KWARGS_KEY))
+        if isinstance(kwargs, dict):
+            model.config.extra[MANIFEST_KEY][KWARGS_KEY] = kwargs
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_killed_exports(output_dir)
