@@ -250,6 +250,7 @@ def test_the_arguments_travel_from_the_data_through_training_and_export_to_evalu
     assert manifest["chat_template_kwargs"] == NO_THINKING
     card = (out / "README.md").read_text()
     assert "| chat template arguments | `{enable_thinking: false}` |" in card
+    assert card.count("""--default-chat-template-kwargs '{"enable_thinking": false}'""") == 2  # SGLang and vLLM
 
     def evaluate(*overrides):
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
