@@ -23,12 +23,19 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash2 import kernels
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
 from dflash2.config import DFlash2Config
 from dflash2.contract import check_block_size
 from dflash2.groups import build
 from dflash2.lint import lint
 from dflash2.lookup import PromptLookup
-from dflash2.manifest import MANIFEST_KEY, check_manifest, manifest_metric, target_identity
+from dflash2.manifest import (
+    MANIFEST_KEY,
+    check_manifest,
+    manifest_chat_template_kwargs,
+    manifest_metric,
+    target_identity,
+)
 from dflash2.model import DFlash2DraftModel
 from dflash2.progress import DecodeProgress, quiet_libraries
 from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
@@ -75,6 +82,7 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
     if cfg.get("block_size") is not None:
         check_block_size(cfg.block_size)  # a drafter's own B is its export's, which the linter checks
+    check_chat_template_kwargs(cfg.get(KWARGS_KEY), KWARGS_KEY)
     if cfg.drafter == PLD:
         prompt_lookup(cfg)
 
@@ -165,13 +173,44 @@ def read_tau_sim(manifest: dict[str, Any] | None, name: str = "tau_sim") -> floa
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """A conversation rendered with the target's chat template, ready for the assistant's reply."""
+def render(
+    tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """A conversation rendered with the target's chat template and `chat_template_kwargs`, ready for the assistant's
+    reply: the text training rendered the drafter's data with begins the same way (`dflash2.chat_template`)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     log.warning("the target's tokenizer has no chat template: prompts are the plain user turns")
     return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def prompt_chat_template_kwargs(cfg: DictConfig, draft: Any, target: Any) -> dict[str, Any]:
+    """The chat template's extra arguments the prompts are rendered with: `chat_template_kwargs` when set, else the
+    drafter's (its training's, recorded in its manifest), else none for a drafter that does not record them; for
+    prompt lookup, which was never trained, the target's (`model.chat_template_kwargs`)."""
+    asked = check_chat_template_kwargs(cfg.get(KWARGS_KEY), KWARGS_KEY)
+    if not isinstance(draft, DFlash2DraftModel):
+        return asked if asked is not None else dict(getattr(target, KWARGS_KEY, None) or {})
+    trained = manifest_chat_template_kwargs(draft.config.extra.get(MANIFEST_KEY))
+    if asked is None:
+        if trained is None:
+            log.info(
+                "the drafter does not record the %s its training rendered with (exported before they were "
+                "recorded): rendering the prompts with none, {}, as training did then",
+                KWARGS_KEY,
+            )
+        return trained or {}
+    if trained is not None and not same_kwargs(asked, trained):
+        log.warning(
+            "rendering the prompts with %s=%s, but the drafter was trained on chats rendered with %s: it is measured "
+            "on text it was not trained on (%s=null renders as it was trained)",
+            KWARGS_KEY,
+            format_kwargs(asked),
+            format_kwargs(trained),
+            KWARGS_KEY,
+        )
+    return asked
 
 
 def stop_token_ids(target: Any, extra_tokens: list[str]) -> list[int]:
@@ -207,8 +246,10 @@ def generate_turns(
     multi_turn: bool,
     generator: torch.Generator,
     warmup: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[dict], float]:
-    """Decode every turn of every prompt (later turns see the earlier answers) -> (sample records, seconds).
+    """Decode every turn of every prompt (later turns see the earlier answers) -> (sample records, seconds); the
+    prompts are rendered with `chat_template_kwargs` (`prompt_chat_template_kwargs`).
 
     `warmup` first decodes a few tokens of one prompt, untimed, so that one-off costs (CUDA context, Triton
     compilation, allocator growth) stay out of tokens/s."""
@@ -217,7 +258,7 @@ def generate_turns(
     samples, seconds = [], 0.0
     n_turns = max(len(p["turns"]) for p in prompts) if multi_turn else 1
     if warmup:  # before the progress bar too, whose tokens/s then counts what the timed passes count
-        first = render(tokenizer, [{"role": "user", "content": prompts[0]["turns"][0]}])
+        first = render(tokenizer, [{"role": "user", "content": prompts[0]["turns"][0]}], chat_template_kwargs)
         spare = torch.Generator(generator.device).manual_seed(0)
         decode(target, draft, [first], dict(settings, max_new_tokens=16), spare)
     requests = sum(min(len(p["turns"]), n_turns) for p in prompts)
@@ -226,7 +267,7 @@ def generate_turns(
         todo = [i for i, p in enumerate(prompts) if turn < len(p["turns"])]
         for i in todo:
             conversations[i].append({"role": "user", "content": prompts[i]["turns"][turn]})
-        prompt_ids = [render(tokenizer, conversations[i]) for i in todo]
+        prompt_ids = [render(tokenizer, conversations[i], chat_template_kwargs) for i in todo]
         start = _clock(target)
         outputs = decode(target, draft, prompt_ids, settings, generator, progress)
         seconds += _clock(target) - start
@@ -290,6 +331,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if cfg.selector and draft.candidate_selector is None:
             log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
     described = describe_draft(cfg, draft, use_selector, block_size)
+    chat_template_kwargs = prompt_chat_template_kwargs(cfg, draft, target)
+    turns = functools.partial(generate_turns, chat_template_kwargs=chat_template_kwargs)  # every pass renders alike
     prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
     if not prompts:
         raise ValueError(f"bench {cfg.bench.name!r} with limit={cfg.bench.get('limit')} has no prompts")
@@ -308,12 +351,10 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     spec = dict(settings, block_size=block_size, use_selector=use_selector)
     for r in range(repeats):
         generator = torch.Generator(device).manual_seed(seed)
-        passes.append(generate_turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
+        passes.append(turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
         if cfg.baseline:
             generator = torch.Generator(device).manual_seed(seed)
-            reference.append(
-                generate_turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r))
-            )
+            reference.append(turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r)))
     samples = passes[0][0]
     num_tokens = sum(len(s["output_ids"]) for s in samples)
     tau_sim = None  # prompt lookup is not trained: nothing predicts its tau
@@ -334,6 +375,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "max_new_tokens": settings["max_new_tokens"],
         "batch_size": settings["batch_size"],
         "multi_turn": bool(cfg.multi_turn),
+        KWARGS_KEY: chat_template_kwargs,  # what the prompts were rendered with
         "bench": cfg.bench.name,
         "kernels": kernels.get_backend(),
         "device": str(device),

@@ -19,10 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash2.chat_template import KWARGS_KEY, format_kwargs
 from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint, plain, read_info
 from dflash2.config import DFlash2Config
+from dflash2.engines import SGLANG, V2_RUNNER, VLLM, review_engines, serve_flags
 from dflash2.lint import lint
-from dflash2.manifest import MANIFEST_KEY, METRICS_KEY
+from dflash2.manifest import MANIFEST_KEY, METRICS_KEY, manifest_chat_template_kwargs
+
+# Where a Lightning checkpoint keeps the datamodule's hyper-parameters (`CHECKPOINT_HYPER_PARAMS_KEY` of a
+# LightningDataModule): DFlashDataModule's hold the chat template arguments training rendered the data with.
+DATAMODULE_HPARAMS = "datamodule_hyper_parameters"
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,8 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
     layers = f"{cfg.num_hidden_layers} draft layer{'' if cfg.num_hidden_layers == 1 else 's'}"
     shape = f"{layers}, hidden size {cfg.hidden_size}" + "".join(f", {p}" for p in parts)
     metrics = sorted((info.get("metrics") or {}).items(), key=lambda kv: _metric_order(kv[0]))
+    kwargs = manifest_chat_template_kwargs(manifest)
+    rendered = "not recorded" if kwargs is None else f"`{format_kwargs(kwargs)}`"
     table = "\n".join(["| metric | value |", "|---|---|"] + [f"| `{k}` | {_number(v)} |" for k, v in metrics])
     tags = ", ".join(dict.fromkeys(["speculative-decoding", "dflash", kind.lower()]))  # a DFlash drafter: one dflash
     front = ["library_name: dflash2", f"tags: [{tags}]"]
@@ -63,6 +71,7 @@ and head. {shape}.
 |---|---|
 | target | `{target}`: `{served}`{f" (training loaded `{loaded}`)" if loaded and loaded != served else ""} |
 | training data | {manifest.get("data_source", "unknown")} |
+| chat template arguments | {rendered} |
 | training steps | {info.get("step", manifest.get("training_steps", "unknown"))} |
 | dflash2 version | {manifest.get("dflash2_version", "unknown")} |
 
@@ -74,28 +83,63 @@ and head. {shape}.
 (for DFlash2, the candidate selector's picks; `tau_sim_top1` is the plain argmax path, used with the selector
 off); measured speculative decoding is usually a little lower.
 
-## Serving
+{serving(cfg, served)}
+Check the folder against the DFlash2 contract with `python export.py check=<this folder>`.
+"""
 
-The engines count "draft tokens" differently: SGLang's `--speculative-num-draft-tokens` is the block size
-B = {b}; vLLM's `num_speculative_tokens` is the number of proposals, B - 1 = {b - 1}.
 
-SGLang:
+def serving(cfg: DFlash2Config, served: str) -> str:
+    """The card's serving section: the serve commands as SGLang 0.5.23 and vLLM 0.33.0 take them, and what they cannot
+    serve (`dflash2.engines.review_engines`, the review `export.py check` prints)."""
+    engines = review_engines(cfg.to_dict())
+    b = cfg.block_size
+    flags = serve_flags(cfg.extra.get(MANIFEST_KEY))
+    parts = [
+        f"""## Serving
+
+Checked against the released source of {SGLANG} and {VLLM} (contract section 9). The engines count "draft
+tokens" differently: SGLang's `--speculative-num-draft-tokens` is the block size B = {b}; vLLM's
+`num_speculative_tokens` is the number of proposals, B - 1 = {b - 1} (vLLM reads no `dflash_config.block_size`)."""
+    ]
+    if flags:
+        parts.append(
+            "Training rendered its chats with the chat template arguments above: the commands pass them to every "
+            "request (`--default-chat-template-kwargs`), so that served prompts read as the drafter's data did."
+        )
+    if engines.warnings:
+        parts.append("Before serving:\n\n" + "\n".join(f"- {w}." for w in engines.warnings))
+    if engines.sglang:
+        parts.append(
+            f"""{SGLANG}:
 
 ```bash
 python -m sglang.launch_server --model-path {served} \\
     --speculative-algorithm DFLASH --speculative-draft-model-path <this folder> \\
-    --speculative-num-draft-tokens {b}
-```
-
-vLLM:
+    --speculative-num-draft-tokens {b}{flags}
+```"""
+        )
+    else:
+        parts.append(f"{SGLANG} cannot serve this drafter (see above).")
+    if engines.vllm:
+        runner = (
+            f"on its V2 model runner only, which `{V2_RUNNER}` requires (the V1 runner refuses a DFlash2DraftModel "
+            "or, for drafters mixing sliding and full layers, cannot serve them)"
+            if engines.v2_runner
+            else "on either model runner"
+        )
+        env = f"{V2_RUNNER} " if engines.v2_runner else ""
+        spec = f'{{"method": "dflash", "model": "<this folder>", "num_speculative_tokens": {b - 1}}}'
+        parts.append(
+            f"""{VLLM}, {runner}:
 
 ```bash
-vllm serve {served} \\
-    --speculative-config '{{"method": "dflash", "model": "<this folder>", "num_speculative_tokens": {b - 1}}}'
-```
-
-Check the folder against the DFlash2 contract with `python export.py check=<this folder>`.
-"""
+{env}vllm serve {served} \\
+    --speculative-config '{spec}'{flags}
+```"""
+        )
+    else:
+        parts.append(f"{VLLM} cannot serve this drafter (see above).")
+    return "\n\n".join(parts) + "\n"
 
 
 def served_target(manifest: dict[str, Any]) -> str:
@@ -151,6 +195,10 @@ def export_checkpoint(
         # The metrics as data beside the identity, for evaluate.py's tau_sim (the model card shows them to people).
         metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
         model.config.extra[MANIFEST_KEY] = plain(info["manifest"]) | ({METRICS_KEY: metrics} if metrics else {})
+        # The chat template arguments training rendered with (the datamodule's), which evaluation renders with.
+        kwargs = plain((ckpt.get(DATAMODULE_HPARAMS) or {}).get(KWARGS_KEY))
+        if isinstance(kwargs, dict):
+            model.config.extra[MANIFEST_KEY][KWARGS_KEY] = kwargs
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_killed_exports(output_dir)

@@ -16,6 +16,7 @@ from typing import Any
 from safetensors import safe_open
 
 from dflash2.contract import CONV_FIELDS, DIMS, SELECTOR_FIELDS, review_config, tensor_table
+from dflash2.engines import review_engines
 from dflash2.manifest import MANIFEST_KEY
 
 CONV = re.compile(r"\.(attention_conv|mlp_conv)\.")
@@ -32,6 +33,9 @@ class LintReport:
     path: Path
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # What SGLang and vLLM make of the folder (dflash2/engines.py): warnings never fail the check.
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    engines: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -39,7 +43,9 @@ class LintReport:
 
     def format(self) -> str:
         head = f"{self.path}: " + ("OK" if self.ok else f"{len(self.problems)} problem(s)")
+        head += f", {len(self.warnings)} engine warning(s)" if self.warnings else ""
         lines = [head] + [f"  problem: {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
+        lines += [f"  warning: {w}" for w in self.warnings] + [f"  engines: {e}" for e in self.engines]
         return "\n".join(lines)
 
 
@@ -52,6 +58,10 @@ def lint(path: str | Path) -> LintReport:
     raw = _read_config(report)
     tensors, unread = _read_headers(report)
     fields, skip = _check_config(raw, report) if raw is not None else (None, [])
+    if raw is not None:
+        engines = review_engines(raw)
+        report.warnings += engines.warnings
+        report.engines += engines.notes
     if tensors is not None:
         _check_tensors(fields, tensors, unread, skip, report)
     return report

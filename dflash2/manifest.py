@@ -5,7 +5,9 @@ tokenizer that numbers tokens differently) loads fine and silently proposes garb
 manifest; the evaluator refuses a mismatch before wasting a run. Engines ignore the unknown field.
 
 The export adds `metrics`, the exported checkpoint's validation metrics (`{"val/tau_sim": 3.12, ...}`): the data the
-evaluator compares a measured tau with (`manifest_metric`), where the model card only shows them to people.
+evaluator compares a measured tau with (`manifest_metric`), where the model card only shows them to people; and
+`chat_template_kwargs`, the chat template's extra arguments training rendered the data with, which evaluation renders
+its prompts with (`manifest_chat_template_kwargs`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ MANIFEST_KEY = "dflash2_manifest"
 VOLATILE_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype"})
 # The validation metrics of the exported checkpoint, as logged ("val/tau_sim"), written by the export.
 METRICS_KEY = "metrics"
+# The chat template's extra arguments training rendered with (dflash2.chat_template.KWARGS_KEY), written by the export.
+CHAT_TEMPLATE_KWARGS_KEY = "chat_template_kwargs"
 # A different value in any of these means the drafter was trained for another model.
 IDENTITY_FIELDS = ("target_config_hash", "vocab_hash")
 
@@ -65,8 +69,11 @@ def tokenizer_hash(tokenizer: Any) -> str:
 def target_identity(name: str, hf_config: Any, tokenizer: Any) -> dict[str, Any]:
     """The facts that make two targets interchangeable for a drafter."""
     template = getattr(tokenizer, "chat_template", None)
+    d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     return {
         "target": name,
+        # Which model class an engine builds for the target, hence whether it can capture the drafter's features.
+        "target_architectures": list(d.get("architectures") or []),
         "target_config_hash": config_hash(hf_config),
         "vocab_hash": vocab_hash(tokenizer),
         "chat_template_hash": None if template is None else _sha256(template),
@@ -90,6 +97,19 @@ def manifest_metric(manifest: dict[str, Any] | None, name: str) -> float | None:
     """A validation metric the export recorded (`name` as logged without its stage: "tau_sim"), None if it did not."""
     value = ((manifest or {}).get(METRICS_KEY) or {}).get(f"val/{name}")
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def manifest_chat_template_kwargs(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chat template's extra arguments the drafter's training rendered its data with, None when the manifest does
+    not record them (exported before they were recorded, or by another tool)."""
+    value = (manifest or {}).get(CHAT_TEMPLATE_KWARGS_KEY)
+    return dict(value) if isinstance(value, dict) else None
+
+
+def target_architectures(manifest: dict[str, Any] | None) -> list[str] | None:
+    """The target's transformers `architectures` as training recorded them (`target_identity`), None when it did not."""
+    value = (manifest or {}).get("target_architectures")
+    return [str(a) for a in value] if isinstance(value, list) and value else None
 
 
 def read_manifest(path: str | Path | dict[str, Any]) -> dict[str, Any] | None:

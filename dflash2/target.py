@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash2.attention import NAME as GROUPED_SDPA
 from dflash2.attention import use_grouped_sdpa
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, render_chat
 from dflash2.locate import target_source
 
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,10 +67,13 @@ class TargetModel(nn.Module):
         compile_features: bool | str = False,
         name: str | None = None,
         mask_token_id: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
+        # How this target is chatted with: its chat template's extra arguments (`model.chat_template_kwargs`).
+        self.chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"model.{KWARGS_KEY}") or {}
         # What the model group calls this target, and the id its drafters fill their slots with (a token the chat
         # template never produces: a drafter needs one set explicitly, and `draft.mask_token_id` null takes this one).
         self.name, self.mask_token_id = name, mask_token_id
@@ -136,15 +140,18 @@ class TargetModel(nn.Module):
         attn_implementation: str | None = None,
         compile: bool | str | None = False,
         mask_token_id: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> TargetModel:
         """Load by hub id, local folder, GGUF file or None (the embedded SmolLM2); what the `model` group builds
         (configs/model/*.yaml, `dflash2.groups.build(cfg.model, target_layer_ids=..., device=...)`).
 
         `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
         (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).
-        `compile`: torch.compile the layers for the training features (`compile_mode`)."""
+        `compile`: torch.compile the layers for the training features (`compile_mode`). `chat_template_kwargs`: the
+        chat template's extra arguments the target is chatted with (`dflash2.chat_template`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"model.{KWARGS_KEY}")  # before loading
         path, kwargs = target_source(path, gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
@@ -152,7 +159,9 @@ class TargetModel(nn.Module):
             use_grouped_sdpa(model)
         elif attn_implementation != model.config._attn_implementation:
             model.set_attn_implementation(attn_implementation)
-        return cls(model.to(device), tokenizer, target_layer_ids, compile or False, name, mask_token_id)
+        return cls(
+            model.to(device), tokenizer, target_layer_ids, compile or False, name, mask_token_id, chat_template_kwargs
+        )
 
     # ------------------------------------------------------------------ forward
     def _make_hook(self, layer_id: int):
@@ -358,7 +367,7 @@ def render_probe_chat(tokenizer: Any) -> str:
         {"role": "assistant", "content": "4."},
         {"role": "user", "content": "And `x = 3 * 7` in code?"},
     ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return render_chat(tokenizer, messages, generation_prompt=True)
 
 
 def _dtype(dtype: str | torch.dtype | None, default: Any) -> Any:

@@ -131,7 +131,7 @@ def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path,
     calls = []
     real = evaluation.generate_turns
     monkeypatch.setattr(
-        evaluation, "generate_turns", lambda t, d, *a: calls.append((d is None, a[-1])) or real(t, d, *a)
+        evaluation, "generate_turns", lambda t, d, *a, **k: calls.append((d is None, a[-1])) or real(t, d, *a, **k)
     )
     overrides = ["bench.limit=2", "max_new_tokens=6", "temperature=0", "baseline=true", "repeats=3"]
     results = evaluate(config(f"drafter={draft}", *overrides), tmp_path / "run")

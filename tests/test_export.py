@@ -465,3 +465,83 @@ def test_cli_exports_a_run_dir_and_checks_it(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     done = run_cli(f"check={out}")
     assert done.returncode == 1 and "mask_token_id" in done.stdout
+
+
+# --- engine-ready exports: the card's serving section and the check, as SGLang 0.5.23 and vLLM 0.33.0 read them ----
+
+
+def card_of(tmp_path: Path, cfg: DFlash2Config, manifest: dict | None = None, changes: dict | None = None) -> str:
+    out = export_checkpoint(write_ckpt(tmp_path / "last.ckpt", trained_model(cfg), manifest, changes), tmp_path / "d")
+    return (out / "README.md").read_text()
+
+
+def serving_section(card: str) -> str:
+    return card.split("## Serving")[1]
+
+
+def test_the_card_names_the_engine_versions_and_the_v2_runner_a_dflash2_drafter_needs(tmp_path):
+    manifest = build_manifest(target_identity("t", *tiny_target()), "x", 1, serve_model="org/target")
+    serving = serving_section(card_of(tmp_path / "dflash2", tiny_config(), manifest))
+    assert "SGLang 0.5.23" in serving and "vLLM 0.33.0" in serving and "contract section 9" in serving
+    assert "python -m sglang.launch_server --model-path org/target \\\n" in serving
+    assert "--speculative-algorithm DFLASH --speculative-draft-model-path <this folder>" in serving
+    assert "--speculative-num-draft-tokens 4\n" in serving  # B, where vLLM takes B - 1
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve org/target \\\n" in serving
+    assert '"method": "dflash", "model": "<this folder>", "num_speculative_tokens": 3}' in serving
+    assert "V2 model runner only" in serving and "Before serving" not in serving
+
+    plain = serving_section(card_of(tmp_path / "dflash", tiny_config(conv=False, selector=False), manifest))
+    assert "on either model runner" in plain and "VLLM_USE_V2_MODEL_RUNNER" not in plain
+    assert "\nvllm serve org/target \\\n" in plain
+
+
+def test_the_card_says_what_an_engine_cannot_serve(tmp_path):
+    serving = serving_section(card_of(tmp_path / "conv", tiny_config(conv=True, selector=False)))
+    assert "Before serving:\n\n- a conv-only DFlash2 drafter" in serving
+    assert "SGLang 0.5.23 cannot serve this drafter" in serving and "vLLM 0.33.0 cannot serve this drafter" in serving
+    assert "launch_server" not in serving and "vllm serve" not in serving
+
+    serving = serving_section(card_of(tmp_path / "selector", tiny_config(conv=False, selector=True)))
+    assert "a selector-only DFlash2 drafter" in serving and "launch_server" in serving
+    assert "vLLM 0.33.0 cannot serve this drafter" in serving and "vllm serve" not in serving
+
+    manifest = build_manifest(target_identity("t", *tiny_target()), "x", 1) | {
+        "target_architectures": ["Qwen2ForCausalLM"]
+    }
+    serving = serving_section(card_of(tmp_path / "qwen2", tiny_config(), manifest))
+    assert "- target architecture Qwen2ForCausalLM: SGLang 0.5.23 captures no layers" in serving
+
+
+def test_the_export_records_the_chat_template_arguments_training_rendered_with(tmp_path):
+    manifest = build_manifest(target_identity("t", *tiny_target()), "x", 1)
+    hparams = {("datamodule_hyper_parameters",): {"chat_template_kwargs": {"enable_thinking": False}, "path": "x"}}
+    card = card_of(tmp_path / "with", tiny_config(), manifest, hparams)
+    assert read_manifest(tmp_path / "with" / "d")["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "| chat template arguments | `{enable_thinking: false}` |" in card
+    flag = """--default-chat-template-kwargs '{"enable_thinking": false}'"""
+    assert card.count(flag) == 2 and "--speculative-num-draft-tokens 4 " + flag in card
+
+    # Trained with none: recorded as none, no flag. A checkpoint from before the setting existed: not recorded.
+    none = card_of(
+        tmp_path / "none", tiny_config(), manifest, {("datamodule_hyper_parameters",): {"chat_template_kwargs": {}}}
+    )
+    assert read_manifest(tmp_path / "none" / "d")["chat_template_kwargs"] == {} and "--default-chat" not in none
+    old = card_of(tmp_path / "old", tiny_config(), manifest)
+    assert "chat_template_kwargs" not in read_manifest(tmp_path / "old" / "d")
+    assert "| chat template arguments | not recorded |" in old
+
+
+def test_check_on_the_shipped_drafter_shows_how_the_engines_serve_it():
+    done = run_cli(f"check={REPO / 'artifacts' / 'drafters' / 'smollm2-dflash'}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith("smollm2-dflash: OK")
+    engines = [line for line in lines if line.startswith("  engines: ")]
+    assert any("target architecture LlamaForCausalLM" in e and "capture its layers" in e for e in engines), lines
+    assert any(
+        "SGLang 0.5.23 serves it: --speculative-algorithm DFLASH --speculative-num-draft-tokens 16" in e
+        for e in engines
+    )
+    assert any('vLLM 0.33.0 serves it on either model runner: "method": "dflash", "num_speculative_tokens": 15' in e
+               for e in engines)  # fmt: skip
+    assert not any(line.startswith("  warning: ") for line in lines)

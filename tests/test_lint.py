@@ -293,3 +293,96 @@ def test_the_config_raises_the_linters_first_config_problem(tmp_path, fault):
     with pytest.raises(ValueError) as refused:
         DFlash2Config.from_dict(cfg)
     assert str(refused.value) == problems[0]
+
+
+# --- what SGLang 0.5.23 and vLLM 0.33.0 make of a folder (contract section 9): warnings, never problems ---------
+
+
+def shaped(tmp_path: Path, conv: bool = True, selector: bool = True, **changes) -> Path:
+    """The public fixture with the conv and/or the selector off (and their tensors dropped), `changes` on top (a
+    `dflash_config.` prefix reaches into the nested fields)."""
+    cfg = fixture_config()
+    tensors = fixture_tensors(cfg)
+    for on, fields, pattern in ((conv, ("conv_kernel_size", "conv_group_size"), "_conv."),
+                                (selector, ("selector_rank", "selector_top_k"), "candidate_selector.")):  # fmt: skip
+        if not on:
+            cfg["dflash_config"].update(dict.fromkeys(fields, 0))
+            tensors = {k: v for k, v in tensors.items() if pattern not in k}
+    if not conv and not selector:
+        cfg["architectures"] = ["DFlashDraftModel"]
+    for key, value in changes.items():
+        node, _, leaf = key.rpartition(".")
+        (cfg[node] if node else cfg)[leaf] = value
+    name = f"{'c' if conv else ''}{'s' if selector else ''}-{len(list(tmp_path.iterdir()))}"
+    return write_folder(tmp_path / name, cfg, tensors)
+
+
+def manifest_with(architecture: str) -> dict:
+    return {"target": "some/target", "target_config_hash": "0" * 64, "target_architectures": [architecture]}
+
+
+def test_the_published_shapes_pass_with_how_each_engine_serves_them(tmp_path):
+    report = lint(shaped(tmp_path))  # DFlash2: conv and selector
+    assert report.ok and report.notes == [] and report.warnings == [], report.format()
+    engines = "\n".join(report.engines)
+    assert "SGLang 0.5.23 serves it: --speculative-algorithm DFLASH --speculative-num-draft-tokens 16" in engines
+    assert "vLLM 0.33.0 serves it on its V2 model runner only (VLLM_USE_V2_MODEL_RUNNER=1" in engines
+    assert '"num_speculative_tokens": 15' in engines and "reads no dflash_config.block_size" in engines
+    assert "target's architecture is not recorded" in engines  # the fixture's manifest predates it
+    assert report.format().splitlines()[0].endswith(": OK") and "  engines: " in report.format()
+
+    plain = lint(shaped(tmp_path, conv=False, selector=False))  # DFlash: V1 and V2 both serve it
+    assert plain.ok and plain.warnings == [], plain.format()
+    assert any("vLLM 0.33.0 serves it on either model runner" in e for e in plain.engines)
+
+
+SG, VL = "SGLang 0.5.23", "vLLM 0.33.0"
+
+
+@pytest.mark.parametrize(
+    "shape, warned, sglang, vllm",
+    [
+        (dict(conv=True, selector=False), ["a conv-only DFlash2 drafter", SG, VL], False, False),
+        (dict(conv=False, selector=True), [f"a selector-only DFlash2 drafter: {VL} does not load it"], True, False),
+        ({"dflash_config.target_layer_ids": [45, 34, 23, 12, 1]}, ["are not strictly ascending"], True, True),
+        ({"dflash_config.target_layer_ids": [1, 12, 23, 34, 34]}, ["are not strictly ascending"], True, True),
+        ({"dflash_config.target_layer_ids": [1, 12, 23, 34, 47]}, ["include the target's last layer (47"], True, True),
+        ({"dflash2_manifest": manifest_with("Qwen2ForCausalLM")}, [f"Qwen2ForCausalLM: {SG} captures no", f"{VL} can"],
+         True, True),
+        ({"dflash2_manifest": manifest_with("Gemma3ForCausalLM")}, [f"Gemma3ForCausalLM: {SG} and {VL} capture no"],
+         True, True),
+    ],
+)  # fmt: skip
+def test_what_an_engine_cannot_serve_is_a_warning_not_a_problem(tmp_path, shape, warned, sglang, vllm):
+    flags = {k: shape.pop(k) for k in ("conv", "selector") if k in shape}
+    report = lint(shaped(tmp_path, **flags, **shape))
+    assert report.ok, report.format()  # the folder meets the contract; our evaluator serves it
+    assert len(report.warnings) == 1, report.format()
+    assert all(w in report.warnings[0] for w in warned), report.format()
+    assert report.format().splitlines()[0].endswith("OK, 1 engine warning(s)")
+    assert any(("SGLang 0.5.23 serves it" if sglang else "SGLang 0.5.23 cannot serve it") in e for e in report.engines)
+    assert any(("vLLM 0.33.0 serves it" if vllm else "vLLM 0.33.0 cannot serve it") in e for e in report.engines)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_targets_both_engines_capture_give_no_warning(tmp_path, architecture):
+    report = lint(shaped(tmp_path, dflash2_manifest=manifest_with(architecture)))
+    assert report.ok and report.warnings == [], report.format()
+    assert any(
+        f"target architecture {architecture}: SGLang 0.5.23 and vLLM 0.33.0 capture" in e for e in report.engines
+    )
+
+
+def test_the_embedded_targets_architecture_is_known_for_drafters_that_do_not_record_it(tmp_path):
+    """SmolLM2 drafters exported before `target_architectures` was recorded: the embedded GGUF dequantizes to the
+    architecture `EMBEDDED_ARCHITECTURES` names, and such a drafter is recognised by where it was trained or served."""
+    from dflash2.engines import EMBEDDED_ARCHITECTURES
+    from dflash2.locate import SMOLLM2_HUB_ID, smollm2_folder
+
+    config = json.loads((smollm2_folder() / "config.json").read_text())
+    assert config["architectures"] == [EMBEDDED_ARCHITECTURES[SMOLLM2_HUB_ID]]
+    for manifest in ({"serve_model": SMOLLM2_HUB_ID}, {"target_path": str(smollm2_folder())}):
+        report = lint(shaped(tmp_path, dflash2_manifest={"target": "smollm2"} | manifest))
+        assert any("LlamaForCausalLM (the embedded SmolLM2's" in e for e in report.engines), report.format()
+    report = lint(shaped(tmp_path, dflash2_manifest={"target": "x", "target_path": "/models/some-folder"}))
+    assert any("not recorded" in e for e in report.engines) and report.warnings == []

@@ -251,6 +251,7 @@ def test_mask_token_is_special_and_absent_from_chat(tiny):
 def test_model_configs_share_keys_and_build_a_target():
     """Every model option holds the target alone, under the same keys: TargetModel.load's arguments."""
     keys = {"_target_", "name", "path", "gguf_file", "dtype", "attn_implementation", "compile", "mask_token_id"}
+    keys |= {"chat_template_kwargs"}  # how the target is chatted with: regeneration, training and evaluation render so
     accepted = set(inspect.signature(TargetModel.load).parameters) - {"cls"}
     for file in (ROOT / "configs" / "model").glob("*.yaml"):
         cfg = yaml.safe_load(file.read_text())

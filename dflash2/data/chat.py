@@ -3,7 +3,9 @@
 A conversation is `{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`.
 Files may hold ShareGPT records (`conversations: [{from, value}]`) or OpenAI ones (`messages: [{role, content}]`),
 as one JSON list or as JSON lines. An assistant turn may carry `"truncated": true` (a reply regeneration cut at
-`max_new_tokens`): its own tokens are trained, the end-of-turn token the template closes it with is not.
+`max_new_tokens`): its own tokens are trained, the end-of-turn token the template closes it with is not. A regenerated
+record carries the `chat_template_kwargs` its prompts were rendered with; training renders it with the same ones
+(`dflash2.chat_template`, the one renderer).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import datasets
 
 from dflash2 import bench
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat
 from dflash2.manifest import tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -100,7 +103,8 @@ def _iter_json(path: str, tolerate_truncation: bool):
 
 
 def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
-    """One file record -> {"id", "messages", "regenerated_by"}; ValueError naming the record and the problem."""
+    """One file record -> {"id", "messages", "regenerated_by", "chat_template_kwargs"} (the last as canonical JSON, None
+    where the record does not carry it); ValueError naming the record and the problem."""
     rid = record.get("id", index) if isinstance(record, dict) else index
     where = f"{path}: record {index} (id={rid!r})"
     if not isinstance(record, dict):
@@ -133,13 +137,22 @@ def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
     # Replies before the first user turn answer nothing (split ShareGPT chats start mid-conversation).
     first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages))
     messages = [m for k, m in enumerate(messages) if k >= first_user or m["role"] == "system"]
-    return {"id": str(rid), "messages": messages, "regenerated_by": str(record.get("regenerated_by") or "")}
+    kwargs = record.get(KWARGS_KEY)
+    if kwargs is not None:
+        kwargs = json.dumps(check_chat_template_kwargs(kwargs, f"{where}: {KWARGS_KEY!r}"), sort_keys=True)
+    return {
+        "id": str(rid),
+        "messages": messages,
+        "regenerated_by": str(record.get("regenerated_by") or ""),
+        KWARGS_KEY: kwargs,
+    }
 
 
 def load_conversations(path: str | None, limit: int | None = None) -> datasets.Dataset:
     """Validated conversations of a JSON/JSONL file (None = the embedded ShareGPT) as a Dataset with columns
-    id, messages, regenerated_by. Conversations without a non-empty assistant reply are dropped (and counted).
-    The embedded ShareGPT's last records are the `sharegpt` benchmark's prompts, so they are never returned."""
+    id, messages, regenerated_by, chat_template_kwargs. Conversations without a non-empty assistant reply are dropped
+    (and counted). The embedded ShareGPT's last records are the `sharegpt` benchmark's prompts, so they are never
+    returned."""
     source = sharegpt_path() if path is None else str(path)
     if not os.path.isfile(source):
         raise FileNotFoundError(f"data.path={source!r} does not exist; pass a JSON/JSONL file of chats")
@@ -171,8 +184,38 @@ def load_conversations(path: str | None, limit: int | None = None) -> datasets.D
     return datasets.Dataset.from_list(kept)
 
 
-def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+def regenerated_with(conversations: datasets.Dataset, source: str) -> dict[str, Any] | None:
+    """The `chat_template_kwargs` the regenerated conversations of one file were regenerated with; None when none of
+    them was regenerated (no `regenerated_by`: the user's own chats, the packaged ShareGPT). A regenerated record
+    written before regeneration recorded them counts as regenerated with none ({}), and the log says so. A file
+    mixing two settings is refused: one of them would be trained on text it was not generated under."""
+    found: dict[str, int] = {}
+    unrecorded = 0
+    for by, kwargs in zip(conversations["regenerated_by"], conversations[KWARGS_KEY], strict=True):
+        if kwargs is None and by:
+            kwargs, unrecorded = "{}", unrecorded + 1
+        if kwargs is not None:
+            found[kwargs] = found.get(kwargs, 0) + 1
+    if unrecorded:
+        log.info(
+            "%s: %d regenerated conversations do not record their %s (regenerated before it was recorded): "
+            "taken as regenerated with none, {}",
+            source, unrecorded, KWARGS_KEY,
+        )  # fmt: skip
+    if len(found) > 1:
+        settings = " and ".join(f"{format_kwargs(json.loads(k))} ({n} conversations)" for k, n in found.items())
+        raise ValueError(
+            f"{source} mixes conversations regenerated with {KWARGS_KEY} {settings}: training renders a file one way; "
+            f"regenerate it with one setting (python -m dflash2.data.regenerate {KWARGS_KEY}=...) or split it by "
+            "setting into files trained separately"
+        )
+    return json.loads(next(iter(found))) if found else None
+
+
+def _apply_template(
+    tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+) -> str:
+    return render_chat(tokenizer, messages, generation_prompt=False, chat_template_kwargs=chat_template_kwargs)
 
 
 def _end_of_turn_tokens(tokenizer: Any) -> list[str]:
@@ -183,7 +226,10 @@ def _end_of_turn_tokens(tokenizer: Any) -> list[str]:
 
 
 def assistant_spans(
-    messages: list[dict[str, str]], tokenizer: Any, end_tokens: list[str] | None = None
+    messages: list[dict[str, str]],
+    tokenizer: Any,
+    end_tokens: list[str] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered chat and the character spans of each assistant reply plus the token that ends its turn (the reply
     alone when it is `truncated`: the template's end-of-turn after a cut reply is not what the target said).
@@ -195,8 +241,8 @@ def assistant_spans(
     """
     end_tokens = _end_of_turn_tokens(tokenizer) if end_tokens is None else end_tokens
     slots = [{"role": m["role"], "content": f"\ue000{k}\ue001"} for k, m in enumerate(messages)]
-    skeleton = _SLOT.split(_apply_template(tokenizer, slots))  # [text, slot, text, slot, ..., text]
-    text = _apply_template(tokenizer, messages)
+    skeleton = _SLOT.split(_apply_template(tokenizer, slots, chat_template_kwargs))  # [text, slot, ..., text]
+    text = _apply_template(tokenizer, messages, chat_template_kwargs)
     if not text.startswith(skeleton[0]):
         raise ValueError("the chat template renders the start of this chat differently with other contents")
     pos, spans = len(skeleton[0]), []
@@ -233,14 +279,18 @@ def _mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> li
 
 
 def render_batch(
-    conversations: list[list[dict[str, str]]], tokenizer: Any, max_length: int, ids: list[str] | None = None
+    conversations: list[list[dict[str, str]]],
+    tokenizer: Any,
+    max_length: int,
+    ids: list[str] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, list[int]]]:
     """`render` for many chats in one tokenizer call."""
     end_tokens = _end_of_turn_tokens(tokenizer)
     texts, all_spans = [], []
     for k, messages in enumerate(conversations):
         try:
-            text, spans = assistant_spans(messages, tokenizer, end_tokens)
+            text, spans = assistant_spans(messages, tokenizer, end_tokens, chat_template_kwargs)
         except Exception as e:
             name = ids[k] if ids is not None else k
             raise ValueError(f"conversation {name!r}: {e}") from e
@@ -269,16 +319,24 @@ def _tokenize(texts: list[str], tokenizer: Any, max_length: int) -> dict[str, li
     return {"input_ids": enc["input_ids"], "offset_mapping": enc["offset_mapping"]}
 
 
-def render(messages: list[dict[str, str]], tokenizer: Any, max_length: int) -> dict[str, list[int]]:
+def render(
+    messages: list[dict[str, str]],
+    tokenizer: Any,
+    max_length: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, list[int]]:
     """Chat-template tokens of one conversation (truncated to max_length) and a loss mask that is 1 exactly on
     assistant replies and the token ending each reply (unless the reply is `truncated`), 0 on system/user turns
     and role headers."""
-    return render_batch([messages], tokenizer, max_length)[0]
+    return render_batch([messages], tokenizer, max_length, chat_template_kwargs=chat_template_kwargs)[0]
 
 
-def _render_rows(batch: dict[str, list], tokenizer: Any, max_length: int) -> dict[str, list]:
+def _render_rows(
+    batch: dict[str, list], tokenizer: Any, max_length: int, chat_template_kwargs: dict[str, Any] | None = None
+) -> dict[str, list]:
     out: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
-    for rid, row in zip(batch["id"], render_batch(batch["messages"], tokenizer, max_length, batch["id"]), strict=True):
+    rows = render_batch(batch["messages"], tokenizer, max_length, batch["id"], chat_template_kwargs)
+    for rid, row in zip(batch["id"], rows, strict=True):
         m = row["loss_mask"]
         # A chat whose replies were all truncated away has no (anchor, next) pair to train on.
         if any(a and b for a, b in zip(m, m[1:], strict=False)):
@@ -295,12 +353,16 @@ def tokenize_conversations(
     source_key: str,
     num_proc: int | None = None,
     cache_dir: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> datasets.Dataset:
-    """Render every conversation (a cached `datasets.map`); keeps id, input_ids, loss_mask and drops chats left
-    with nothing to train on after truncation. `source_key` identifies the conversations (file, size, limit)."""
+    """Render every conversation (a cached `datasets.map`) with the template and `chat_template_kwargs`; keeps id,
+    input_ids, loss_mask and drops chats left with nothing to train on after truncation. `source_key` identifies the
+    conversations (file, size, limit)."""
+    # The template's arguments, where there are any (none keeps the keys of caches written before they existed).
+    kwargs = f"|{json.dumps(chat_template_kwargs, sort_keys=True)}" if chat_template_kwargs else ""
     key = hashlib.sha256(
         # The tokenizer as a drafter's manifest identifies it, and the template that renders the chats.
-        f"{source_key}|{tokenizer_hash(tokenizer)}|{tokenizer.chat_template}|{max_length}|v{RENDER_VERSION}".encode()
+        f"{source_key}|{tokenizer_hash(tokenizer)}|{tokenizer.chat_template}|{max_length}|v{RENDER_VERSION}{kwargs}".encode()
     ).hexdigest()[:16]
     cache = Path(cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "dflash2")
     cache.mkdir(parents=True, exist_ok=True)
@@ -311,7 +373,7 @@ def tokenize_conversations(
         batch_size=256,
         num_proc=num_proc,
         remove_columns=conversations.column_names,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "chat_template_kwargs": chat_template_kwargs},
         features=FEATURES,
         new_fingerprint=key,
         cache_file_name=str(cache / f"rendered-{key}.arrow"),

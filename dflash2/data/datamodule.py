@@ -12,9 +12,16 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, same_kwargs
 from dflash2.contract import check_block_size
 from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
-from dflash2.data.chat import _same_file, load_conversations, sharegpt_path, tokenize_conversations
+from dflash2.data.chat import (
+    _same_file,
+    load_conversations,
+    regenerated_with,
+    sharegpt_path,
+    tokenize_conversations,
+)
 from dflash2.data.features import FeatureStore, pad_features, truncate
 
 log = logging.getLogger(__name__)
@@ -133,6 +140,44 @@ def check_drop_last(value: object) -> None:
         raise ValueError(f"data.drop_last={value!r}: set it to true or false")
 
 
+def resolve_chat_template_kwargs(
+    requested: dict[str, Any] | None, files: dict[str, datasets.Dataset], setting: str = f"data.{KWARGS_KEY}"
+) -> dict[str, Any]:
+    """The `chat_template_kwargs` training renders `files` (source -> its conversations) with: `requested` (the
+    setting `data.chat_template_kwargs`), or where it is null the ones the files were regenerated with (none, {}, for
+    chats that were not regenerated). Refused, naming both and the fix, when a file was regenerated with other ones
+    than those it would be rendered with, or when the files were regenerated with different ones."""
+    recorded = {source: regenerated_with(rows, source) for source, rows in files.items()}
+    regenerated = {source: kwargs for source, kwargs in recorded.items() if kwargs is not None}
+    if requested is None:
+        distinct = {format_kwargs(k) for k in regenerated.values()}
+        if len(distinct) > 1:
+            listed = "; ".join(f"{source}: {format_kwargs(k)}" for source, k in regenerated.items())
+            raise ValueError(
+                f"{setting} is null (render as the data was regenerated), but the files were regenerated with "
+                f"different {KWARGS_KEY} ({listed}): train on files regenerated alike, or regenerate them with one "
+                "setting"
+            )
+        chosen = next(iter(regenerated.values())) if regenerated else {}
+        log.info(
+            "rendering the chats with %s=%s (%s)",
+            KWARGS_KEY,
+            format_kwargs(chosen),
+            "as the data was regenerated" if regenerated else "none: the chats were not regenerated",
+        )
+        return chosen
+    for source, kwargs in regenerated.items():
+        if not same_kwargs(kwargs, requested):
+            raise ValueError(
+                f"{setting}={format_kwargs(requested)} but {source} was regenerated with "
+                f"{KWARGS_KEY}={format_kwargs(kwargs)}: the drafter would train on prompts rendered otherwise than the "
+                f"replies were generated under. Set {setting}={format_kwargs(kwargs)} (or null: as the data was "
+                f"regenerated), or regenerate the file with {KWARGS_KEY}={format_kwargs(requested)}"
+            )
+    log.info("rendering the chats with %s=%s", KWARGS_KEY, format_kwargs(requested))
+    return dict(requested)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -144,7 +189,11 @@ def _right_pad(rows: list[torch.Tensor], length: int, value: int = 0) -> torch.T
 
 class DFlashDataModule(L.LightningDataModule):
     """Chats rendered with the target's template (`path=None`: the embedded ShareGPT), split once into train and
-    validation rows; batches carry anchors and blocks, the attention mask is built on the model's device."""
+    validation rows; batches carry anchors and blocks, the attention mask is built on the model's device.
+
+    `chat_template_kwargs`: the template's extra arguments (`resolve_chat_template_kwargs`; null = as the data was
+    regenerated). The ones rendered with replace it in `hparams`, which every checkpoint keeps and the export's
+    manifest takes: evaluation then renders its prompts as training rendered the chats."""
 
     def __init__(
         self,
@@ -166,9 +215,11 @@ class DFlashDataModule(L.LightningDataModule):
         drop_last: bool = False,
         extra_paths: list[str] | tuple[str, ...] = (),
         features: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         super().__init__()
         check_block_size(block_size)
+        chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"data.{KWARGS_KEY}")
         if not 0 <= mask_token_id < len(tokenizer):
             raise ValueError(f"mask_token_id={mask_token_id} is outside the tokenizer's {len(tokenizer)} ids")
         if not getattr(tokenizer, "chat_template", None):
@@ -192,15 +243,20 @@ class DFlashDataModule(L.LightningDataModule):
     def _rows(self) -> tuple[datasets.Dataset, list[datasets.Dataset]]:
         """The rows of `path` (split into training and validation) and of each `extra_paths` file (training only)."""
         h = self.hparams
-        return self._tokenized(h.path, h.limit), [self._tokenized(p, None) for p in h.extra_paths]
+        files = [(h.path, h.limit), *((p, None) for p in h.extra_paths)]
+        loaded = [(sharegpt_path() if p is None else os.path.abspath(p), load_conversations(p, n)) for p, n in files]
+        # Every file is read before any is rendered: a file regenerated otherwise is refused before the long part.
+        h.chat_template_kwargs = resolve_chat_template_kwargs(h.chat_template_kwargs, dict(loaded))
+        rows = [self._tokenized(source, chats, n) for (source, chats), (_, n) in zip(loaded, files, strict=True)]
+        return rows[0], rows[1:]
 
-    def _tokenized(self, path: str | None, limit: int | None) -> datasets.Dataset:
+    def _tokenized(self, source: str, conversations: datasets.Dataset, limit: int | None) -> datasets.Dataset:
         h = self.hparams
-        source = sharegpt_path() if path is None else os.path.abspath(path)
-        conversations = load_conversations(path, limit)
         stat = os.stat(source)
         source_key = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|limit={limit}|n={len(conversations)}"
-        rows = tokenize_conversations(conversations, self.tokenizer, h.max_length, source_key, h.num_proc, h.cache_dir)
+        rows = tokenize_conversations(
+            conversations, self.tokenizer, h.max_length, source_key, h.num_proc, h.cache_dir, h.chat_template_kwargs
+        )
         dropped = len(conversations) - len(rows)
         log.info(
             "%d chats tokenized (max_length=%d); %d dropped: no trainable reply within max_length",

@@ -3,11 +3,13 @@
     python -m dflash2.data.regenerate [model=smollm2|tiny|qwen3] [input=FILE] [output=FILE] [limit=N] ...
 
 Each assistant turn is re-generated given the conversation so far, earlier turns already regenerated,
-so the drafter learns the target's own distribution. Each conversation is appended to a JSONL file
-(`{"id", "messages"}`) once its last turn is in; a rerun skips the ids already there, so an interrupted
-run resumes where it stopped, redoing only the conversations that were in flight. Conversations whose first
-prompt does not fit in `max_length` (or that have no assistant turn) are recorded in `<output>.skipped` so they
-are not retried either.
+so the drafter learns the target's own distribution. The prompts are rendered with `chat_template_kwargs` (by default
+the target's, `model.chat_template_kwargs`), which every record written carries: training renders the conversation
+with the same ones (`dflash2.chat_template`). Each conversation is appended to a JSONL file
+(`{"id", "messages", "regenerated_by", "chat_template_kwargs"}`) once its last turn is in; a rerun skips the ids
+already there, so an interrupted run resumes where it stopped, redoing only the conversations that were in flight
+(and refuses an output regenerated with other `chat_template_kwargs`). Conversations whose first prompt does not fit
+in `max_length` (or that have no assistant turn) are recorded in `<output>.skipped` so they are not retried either.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import GenerationConfig
 
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
 from dflash2.data.chat import load_conversations
 from dflash2.groups import build
 from dflash2.locate import TargetNotFoundError
@@ -47,6 +50,27 @@ def completed_ids(output: Path) -> set[str]:
     return done
 
 
+def check_output(output: str | Path, chat_template_kwargs: dict[str, Any] | None) -> None:
+    """Refuse to resume into `output` when its records were regenerated with other `chat_template_kwargs`: one file
+    is trained with one setting. Records written before the setting was recorded count as regenerated with none."""
+    output = Path(output)
+    if not output.is_file():
+        return
+    for number, line in enumerate(output.read_text("utf-8").split("\n"), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # blank, or the torn last line of a killed run (cut off when resuming)
+            continue
+        recorded = record.get(KWARGS_KEY) or {}
+        if not same_kwargs(recorded, chat_template_kwargs):
+            raise ValueError(
+                f"{output} (line {number}) holds conversations regenerated with "
+                f"{KWARGS_KEY}={format_kwargs(recorded)}, and this run renders with "
+                f"{KWARGS_KEY}={format_kwargs(chat_template_kwargs or {})}: resume with "
+                f"{KWARGS_KEY}={format_kwargs(recorded)}, or write to another output=FILE"
+            )
+
+
 def regenerate(
     target: TargetModel,
     conversations: Iterable[dict[str, Any]],
@@ -67,6 +91,8 @@ def regenerate(
     is in. So every call but the last few is full, where a turn-by-turn schedule leaves the late turns of a few
     long conversations in small batches of their own. A conversation is written when its last turn is in."""
     output = Path(output)
+    chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, KWARGS_KEY) or {}
+    check_output(output, chat_template_kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = completed_ids(output)
     todo = deque(c for c in conversations if c["id"] not in done)
@@ -74,7 +100,7 @@ def regenerate(
         target.tokenizer,
         max_new_tokens=max_new_tokens,
         max_length=max_length,
-        chat_template_kwargs=chat_template_kwargs or {},
+        chat_template_kwargs=chat_template_kwargs,
     )
     written = calls = 0
     with (
@@ -95,7 +121,8 @@ def regenerate(
                 calls += 1
             results = dialogues.pop_finished()
             # One write + fsync per call: a kill leaves at most one torn line, which the next run cuts off.
-            kept = [r | {"regenerated_by": regenerated_by} for r in results if r["messages"]]
+            stamp = {"regenerated_by": regenerated_by, KWARGS_KEY: chat_template_kwargs}  # what training checks
+            kept = [r | stamp for r in results if r["messages"]]
             out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
             skip.write("".join(r["id"] + "\n" for r in results if not r["messages"]))
             for f in (out, skip):
@@ -154,8 +181,8 @@ class Dialogues:
             new.append({k: messages[self._cursor[key]][k] for k in ("role", "content")})
             self._cursor[key] += 1
         if self._cursor[key] < len(messages) and new:  # else finished, or a reply with nothing before it
-            text = self.tokenizer.apply_chat_template(
-                new, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+            text = render_chat(
+                self.tokenizer, new, generation_prompt=True, chat_template_kwargs=self.chat_template_kwargs
             )
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) + self.max_new_tokens <= self.max_length:  # else keep the turns before this one
@@ -218,6 +245,11 @@ def run(cfg: DictConfig) -> int:
     """The CLI on a composed `configs/regenerate.yaml`; returns how many conversations were written."""
     if not 0 <= cfg.shard_index < cfg.num_shards:
         raise SystemExit(f"shard_index={cfg.shard_index} must be in [0, num_shards={cfg.num_shards}); pass 0 .. n-1")
+    try:  # before the target loads
+        chat_template_kwargs = check_chat_template_kwargs(cfg.chat_template_kwargs, KWARGS_KEY) or {}
+        check_output(cfg.output, chat_template_kwargs)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     torch.manual_seed(cfg.seed)
     try:
         target = build(cfg.model, device=resolve_device(cfg.device))
@@ -234,11 +266,14 @@ def run(cfg: DictConfig) -> int:
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         max_length=cfg.max_length,
-        chat_template_kwargs=OmegaConf.to_container(cfg.chat_template_kwargs),
+        chat_template_kwargs=chat_template_kwargs,
         regenerated_by=cfg.model.name,
         cache_implementation=cfg.get("cache_implementation"),
     )
-    print(f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name})")
+    print(
+        f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name}, "
+        f"{KWARGS_KEY}={format_kwargs(chat_template_kwargs)})"
+    )
     return n
 
 
