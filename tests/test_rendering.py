@@ -146,6 +146,12 @@ def test_a_file_regenerated_with_other_arguments_is_refused_before_rendering(
         qwen3 = compose("train", overrides=[*overrides, "model=qwen3"])
     assert OmegaConf.to_container(cfg.data.chat_template_kwargs) == {}
     assert OmegaConf.to_container(qwen3.data.chat_template_kwargs) == NO_THINKING
+    # train.py's checks refuse it before the target loads (they read the files, nothing else).
+    from dflash2.training.checks import check_data
+
+    with pytest.raises(ValueError, match=r"data.chat_template_kwargs=\{\} but"):
+        check_data(cfg)
+    check_data(qwen3)  # the arguments it was regenerated with pass
     built = datamodule_from(cfg, target, tmp_path)
     with pytest.raises(ValueError, match=r"data.chat_template_kwargs=\{\} but"):
         built.prepare_data()

@@ -116,15 +116,22 @@ def check_config(cfg: DictConfig) -> None:
 def check_data(cfg: DictConfig) -> None:
     """Read the data files (`data.path`, `data.extra_paths`) through, so that a malformed record fails before the run
     has a folder. The packaged ShareGPT is not re-read: it is the package's, and the run reads it right after."""
+    from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs
     from dflash2.data.chat import load_conversations
+    from dflash2.data.datamodule import resolve_chat_template_kwargs
 
     quiet = logging.root.manager.disable
     logging.disable(logging.INFO)  # the run reads the files again and logs their counts, into train.log this time
     try:
+        files = {}
         if cfg.data.get("path"):
-            load_conversations(cfg.data.path, cfg.data.get("limit"))
+            files[cfg.data.path] = load_conversations(cfg.data.path, cfg.data.get("limit"))
         for extra in cfg.data.get("extra_paths") or ():
-            load_conversations(extra)
+            files[extra] = load_conversations(extra)
+        # A file regenerated under other chat template arguments than training renders with is refused here, before
+        # the target loads, not after.
+        requested = OmegaConf.to_container(cfg.data, resolve=True).get(KWARGS_KEY)
+        resolve_chat_template_kwargs(check_chat_template_kwargs(requested, f"data.{KWARGS_KEY}"), files)
     finally:
         logging.disable(quiet)
 
