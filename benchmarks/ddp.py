@@ -8,8 +8,9 @@ the single device takes N times the rows per step that each DDP rank takes. Per 
 DDP the logged loss is the mean over ranks, i.e. the global batch's) and trained tokens/s from the columns of
 Lightning's ThroughputMonitor (train/time, train/lengths), counted after --warmup steps. Summary: the throughput
 ratio DDP / single and how far apart the two loss curves are once smoothed over --smooth steps. The two runs
-draw their batches in different orders (DistributedSampler vs the single process' sampler), so their curves agree
-statistically, not step by step.
+train the same global batches (rank r takes rows r, r + N, ... of each; the anchors are the rows' own), so their
+curves agree step by step up to rounding, and under bf16 up to its noise; tests/test_ddp.py checks the fp32 parity
+exactly (losses, gradients, validation, resume).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from dflash2.data.anchors import block_labels, block_mask_mod, dense_block_mask, flex_block_mask, sample_anchors
 from dflash2.data.chat import load_conversations, render
-from dflash2.data.datamodule import DFlashDataModule
+from dflash2.data.datamodule import DFlashDataModule, Draw
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -517,7 +517,9 @@ def test_train_anchors_change_and_validation_anchors_do_not(tokenizer, tmp_path,
     )
     dm.setup("fit")
     train = dm.train_dataloader().dataset
-    assert len({tuple(train[0]["anchors"].tolist()) for _ in range(4)}) > 1
+    # New every epoch; within one, a function of the row, whichever rank or worker fetches it.
+    assert len({tuple(train[Draw(0, epoch)]["anchors"].tolist()) for epoch in range(4)}) > 1
+    assert torch.equal(train[Draw(0, 3)]["anchors"], train[Draw(0, 3)]["anchors"])
     val_a, val_b = list(dm.val_dataloader()), list(dm.val_dataloader())
     for x, y in zip(val_a, val_b, strict=True):
         assert torch.equal(x["anchors"], y["anchors"]) and torch.equal(x["labels"], y["labels"])

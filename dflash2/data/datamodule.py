@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 import lightning as L
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, same_kwargs
@@ -27,33 +28,93 @@ from dflash2.data.features import FeatureStore, pad_features, truncate
 log = logging.getLogger(__name__)
 
 
+class Draw(NamedTuple):
+    """What `GlobalBatchSampler` yields: a row, the epoch its anchors are drawn for, and whether it only pads a
+    rank's share (its blocks are then not trained nor scored)."""
+
+    row: int
+    epoch: int = 0
+    padding: bool = False
+
+
 class AnchoredRows(Dataset):
-    """Token rows whose anchors are drawn at fetch time: fresh ones on every training fetch (so every epoch),
-    fixed ones per index for validation (so validation metrics are comparable across steps)."""
+    """Token rows whose anchors are drawn at fetch time from (`seed`, row), fixed ones per row for validation (so
+    validation metrics are comparable across steps); with `fresh`, from (`seed`, epoch, row) too: new ones every
+    epoch, the same whichever rank or dataloader worker fetches the row. An int index is a `Draw` of epoch 0; with
+    `seed=None` its anchors come from torch's global RNG. With `features` (data.features) each row carries the
+    target's cached features."""
 
     def __init__(
-        self, rows: datasets.Dataset, max_anchors: int, seed: int | None, features: FeatureStore | None = None
+        self,
+        rows: datasets.Dataset,
+        max_anchors: int,
+        seed: int | None,
+        fresh: bool = False,
+        features: FeatureStore | None = None,
     ):
         columns = ["input_ids", "loss_mask"] + ([] if features is None else ["feature_row"])
         self.rows = rows.with_format("torch", columns=columns)
-        self.max_anchors, self.seed, self.features = max_anchors, seed, features
+        self.max_anchors, self.seed, self.fresh, self.features = max_anchors, seed, fresh, features
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.rows[index]
+    def __getitem__(self, index: int | Draw) -> dict[str, Any]:
+        draw = Draw(*index) if isinstance(index, tuple) else Draw(int(index))
+        row = self.rows[draw.row]
         cached = {} if self.features is None else self.features.row(int(row["feature_row"]))
         row = truncate(row, cached) if cached else row  # data.features: the positions up to the last trained token
-        # Training draws from torch's global RNG, which Lightning seeds per run and per dataloader worker.
-        generator = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        generator = None
+        if self.seed is not None:
+            key = self.seed * 1_000_003 + draw.row
+            generator = torch.Generator().manual_seed(key * 1_009 + draw.epoch + 1 if self.fresh else key)
         anchors = sample_anchors(row["loss_mask"], self.max_anchors, generator)
         return {
             "input_ids": row["input_ids"].long(),
             "loss_mask": row["loss_mask"].long(),
             "anchors": anchors,
             **cached,
+            "padding": draw.padding,
         }
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """This rank's share of an order of the rows that does not depend on the number of ranks, so that N ranks of
+    `batch_size` rows each train the global batches of N * batch_size rows that one process of that batch size
+    trains: rank r takes rows r, r + N, r + 2N, ... of each. The order is the rows' own, or with `shuffle` a
+    permutation drawn from (seed, epoch); with `drop_last` it is cut to whole global batches. It is padded to a
+    multiple of N with padding draws (`Draw.padding`), which the collator gives no trained block: unlike
+    DistributedSampler's repeated rows, no row counts twice in a loss or a metric.
+
+    A DistributedSampler, so that Lightning keeps it instead of injecting its own; stateful, so that a run resumed
+    mid-epoch continues the epoch's order (StatefulDataLoader saves where the epoch stands)."""
+
+    def __init__(self, data: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, batch_size: int = 1,
+                 drop_last: bool = False) -> None:  # fmt: skip
+        super().__init__(data, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        rows = len(data)
+        self.rows = rows - rows % (num_replicas * batch_size) if drop_last else rows
+        self.num_samples = math.ceil(self.rows / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        self.yielded, self.next_yielded = 0, 0
+
+    def __iter__(self):
+        n = len(self.dataset)
+        order = list(range(n))
+        if self.shuffle:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        draws = [Draw(i, self.epoch) for i in order[: self.rows]]
+        draws += [Draw(order[0], self.epoch, padding=True)] * (self.total_size - self.rows)
+        self.yielded, self.next_yielded = self.next_yielded, 0
+        for draw in draws[self.rank :: self.num_replicas][self.yielded :]:
+            self.yielded += 1
+            yield draw
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next_yielded, self.epoch = state["yielded"], state["epoch"]
 
 
 def batch_rows(batch: dict[str, torch.Tensor]) -> int:
@@ -88,7 +149,8 @@ class BlockCollator:
         loss_mask = _right_pad([r["loss_mask"] for r in rows], length)
         attention_mask = _right_pad([torch.ones_like(r["input_ids"]) for r in rows], length)
         anchors = _right_pad([r["anchors"] for r in rows], blocks)
-        anchor_valid = _right_pad([torch.ones_like(r["anchors"], dtype=torch.bool) for r in rows], blocks)
+        anchor_valid = [torch.full_like(r["anchors"], not r.get("padding"), dtype=torch.bool) for r in rows]
+        anchor_valid = _right_pad(anchor_valid, blocks)
         cached = pad_features(rows, length) if "features" in rows[0] else {}  # data.features
         return {
             **cached,
@@ -304,13 +366,17 @@ class DFlashDataModule(L.LightningDataModule):
         log.info("%d training and %d validation chats", len(self.train_rows), len(self.val_rows))
 
     def _loader(self, rows: datasets.Dataset, train: bool) -> StatefulDataLoader:
+        """data.batch_size rows per batch on each rank: under DDP the global batch is their sum, and the ranks train
+        the global batches one process of that batch size trains, rows and anchors alike (GlobalBatchSampler)."""
         h = self.hparams
-        data = AnchoredRows(rows, h.max_anchors, seed=None if train else h.seed, features=self.features)
+        data = AnchoredRows(rows, h.max_anchors, seed=h.seed, fresh=train, features=self.features)
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        # validation always sees every chat
+        sampler = GlobalBatchSampler(data, world, rank, train, h.seed, h.batch_size, drop_last=train and h.drop_last)
         return StatefulDataLoader(
             data,
             batch_size=h.batch_size,
-            shuffle=train,
-            drop_last=train and h.drop_last,  # validation always sees every chat
+            sampler=sampler,
             collate_fn=self.collate,
             num_workers=h.num_workers,
             persistent_workers=h.num_workers > 0,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +141,7 @@ def grouped_topk(scores: torch.Tensor, k: int, group: int = 128) -> tuple[torch.
     n, v = scores.shape
     pad = -v % group
     padded = F.pad(scores, (0, pad), value=float("-inf")) if pad else scores
-    groups = padded.view(n, -1, group)
+    groups = padded.view(n, padded.shape[1] // group, group)  # not -1: a batch may train no rows (a padding row's)
     # In vocabulary order, so that ties among the candidates meet topk in the order they have in the row.
     chosen = groups.amax(-1).topk(min(k, groups.shape[1]), -1).indices.sort(-1).values  # [N, k]
     candidates = groups.gather(1, chosen[..., None].expand(-1, -1, group)).flatten(1)
@@ -274,6 +275,7 @@ def draft_losses(
     distill: float = 0.0,
     trained: int | None = None,
     dpace_alpha: float | None = None,
+    rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> DraftLosses:
     """Losses of the proposing slots.
 
@@ -285,6 +287,10 @@ def draft_losses(
     that are not IGNORE, when the caller knows it without reading the device (`trained_slots` of the batch on the
     host); the trained rows are then gathered without the device sync of a boolean index. `dpace_alpha`: train with
     the D-PACE weights of that smoothing instead of `weights` (module docstring); the metrics keep `weights`.
+    `rank_mean`: under data parallelism, the mean over the ranks of a tensor (an all-reduce). Each loss is then this
+    rank's share of the global batch's weighted mean: its rows' weighted sum over the ranks' mean sum of weights, so
+    that the mean over the ranks of the losses, and of their gradients (what DDP averages), is the global batch's,
+    as one process computes it; a loss over the rank's own weights would weigh the ranks' rows unequally.
     """
     if distill > 0 and teacher is None:
         raise ValueError(f"distill={distill} needs the teacher: the target's final hidden states of the slots")
@@ -311,7 +317,7 @@ def draft_losses(
     if dpace_alpha is not None:  # on the block grid, where a slot's weight depends on the slots before and after it
         confidence = torch.ones(labels.numel(), device=h.device).index_put((at,), torch.exp(-ce_rows))
         w_train = dpace_weights(confidence.view_as(labels), valid, dpace_alpha).flatten()[at]
-    ce = (out.rows * w_train).sum() / w_train.sum().clamp_min(1e-6)
+    ce = (out.rows * w_train).sum() / _global(w_train.sum(), rank_mean)
 
     per_slot = torch.zeros(slots, device=h.device)
     counts = {
@@ -337,7 +343,7 @@ def draft_losses(
     scores = selector.gold_scores(cand[None], unary[None], h[None], prev.clamp_min(0)[None])[0]
     sel_rows = F.cross_entropy(scores, gold, reduction="none")
     w_use = w * use
-    sel = (sel_rows * w_train * use).sum() / (w_train * use).sum().clamp_min(1e-6)
+    sel = (sel_rows * w_train * use).sum() / _global((w_train * use).sum(), rank_mean)
     picks_gold = scores.argmax(-1) == gold
     # The walk picks gold given the gold prefix; without a trained predecessor the argmax stands in.
     picked = torch.where(prev != IGNORE, picks_gold & in_top, pred == y)
@@ -352,6 +358,11 @@ def draft_losses(
         "selector_weight_sum": w_use.sum(),
     }
     return DraftLosses(ce, sel, counts)
+
+
+def _global(weight_sum: torch.Tensor, rank_mean: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """A loss's denominator: the sum of its (detached) weights, or under data parallelism their mean over ranks."""
+    return (weight_sum.detach() if rank_mean is None else rank_mean(weight_sum.detach())).clamp_min(1e-6)
 
 
 def metric_tensors(counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -167,8 +167,8 @@ class DFlash2Module(L.LightningModule):
         # host every step until the GPU caught up, so it could never queue a step ahead.
         return batch | {"trained_slots": trained_slots(batch)}
 
-    def draft_step(self, batch: dict[str, torch.Tensor]):
-        """Teacher-forced pass over the batch's blocks -> DraftLosses."""
+    def draft_step(self, batch: dict[str, torch.Tensor], rank_mean: Any = None):
+        """Teacher-forced pass over the batch's blocks -> DraftLosses (`rank_mean`: draft_losses')."""
         cfg = self.draft.config
         b, n = batch["anchors"].shape
         target = self.target_pass(batch)
@@ -196,34 +196,50 @@ class DFlash2Module(L.LightningModule):
                 distill=self.objective.distill,
                 trained=batch.get("trained_slots"),
                 dpace_alpha=self.objective.dpace,
+                rank_mean=rank_mean,
             )
 
     def current_selector_alpha(self) -> float:
         return self.objective.alpha(self.global_step)
 
+    def ranks(self) -> int:
+        """The data-parallel ranks training together (1 without a Trainer)."""
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    def rank_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean of `t` over the ranks (an all-reduce)."""
+        return rank_sums({"t": t})["t"] / self.ranks()
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.draft_step(batch)
-        # Tensors, not floats: reading them would stall the step on the device; Lightning reads them when it logs.
-        # loss_ce is the hard-label CE whatever `distill` is, so that runs stay comparable; loss_distill the soft one.
-        stats = metric_tensors(out.counts)
-        logs = {k: stats.pop(k) for k in ("loss_ce", "loss_distill") if k in stats}
-        stats.pop("loss_selector", None)
-        loss = out.ce
+        # Under DDP, each rank's loss is its share of the global batch's (draft_losses' rank_mean): DDP's mean of the
+        # ranks' gradients is then the gradient one process takes on the global batch.
+        out = self.draft_step(batch, rank_mean=self.rank_mean if self.ranks() > 1 else None)
+        losses = {"loss": out.ce}
         if out.selector is not None:
             alpha = self.current_selector_alpha()
-            loss = loss + alpha * out.selector
-            logs |= {"loss_selector": out.selector.detach(), "selector_alpha": alpha}
-        logs |= {"loss": loss.detach(), **stats}
+            losses |= {"loss": out.ce + alpha * out.selector, "loss_selector": out.selector}
+        summed = {k: v.detach() for k, v in (out.counts | losses).items()}
+        if self.ranks() > 1:  # what is logged is the global batch's: its counts summed over the ranks, and the mean
+            # of the ranks' shares of the losses, in one all-reduce (a mean of the ranks' ratios weighs rows unequally)
+            summed = rank_sums(summed | {k: summed[k] / self.ranks() for k in losses})
+        # Tensors, not floats: reading them would stall the step on the device; Lightning reads them when it logs.
+        # loss_ce is the hard-label CE whatever `distill` is, so that runs stay comparable; loss_distill the soft one.
+        stats = metric_tensors({k: summed[k] for k in out.counts})
+        logs = {k: stats.pop(k) for k in ("loss_ce", "loss_distill") if k in stats}
+        stats.pop("loss_selector", None)
+        if out.selector is not None:
+            logs |= {"loss_selector": summed["loss_selector"], "selector_alpha": alpha}
+        logs |= {"loss": summed["loss"], **stats}
         self.log_dict(
             {f"train/{k}": v for k, v in logs.items()},
             on_step=True,
             on_epoch=False,
             prog_bar=False,
             batch_size=batch["input_ids"].shape[0],
-            sync_dist=True,  # under DDP: the mean over ranks, i.e. the global batch's loss, comparable to one device
+            sync_dist=False,  # the same on every rank: the global batch's, comparable to one device
         )
         self.log("tau", stats["tau_sim"], prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
-        return loss
+        return losses["loss"]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.val_metrics.update(self.draft_step(batch).counts)
@@ -296,6 +312,14 @@ class DFlash2Module(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.latest_metrics = dict(read_info(checkpoint).get("metrics") or {})
         self.scale_features_pending = False  # a resumed run's fc was scaled (or not) when it started
+
+
+def rank_sums(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The (detached) tensors summed over the data-parallel ranks, in one all-reduce."""
+    flat = torch.cat([t.detach().double().flatten() for t in tensors.values()])
+    torch.distributed.all_reduce(flat)
+    sizes = [t.numel() for t in tensors.values()]
+    return {k: v.view_as(t).to(t.dtype) for (k, t), v in zip(tensors.items(), flat.split(sizes), strict=True)}
 
 
 def validation_line(metrics: dict[str, float]) -> str:
