@@ -259,6 +259,12 @@ def test_padding_rows_have_no_trained_block():
 def test_fsdp_on_the_cpu_is_refused_before_training(chats, tmp_path):
     """trainer=fsdp cannot run on CPU processes: Lightning's FSDP strategy takes GPUs only, and says so when the Trainer
     is built, before any step (the DDP parity above is what FSDP's gradient averaging relies on too)."""
+    from dflash2.training.checks import check_config
+
     overrides = ("trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true")
+    cfg = config(chats, tmp_path, *overrides, "logger=none")
+    refused = "trainer=fsdp requires a GPU accelerator.*trainer=ddp trainer.accelerator=cpu"
+    with pytest.raises(ValueError, match=refused):
+        check_config(cfg)  # train.py's checks: before the target or the data load
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
-        train(config(chats, tmp_path, *overrides, "logger=none"), callbacks=[Record(kill_at=0)])
+        train(cfg, callbacks=[Record(kill_at=0)])

@@ -81,6 +81,22 @@ def check_module_knobs(module: Mapping[str, Any], strategy: Any = None) -> None:
         )
 
 
+def check_fsdp_device(trainer: Mapping[str, Any]) -> None:
+    """trainer=fsdp on CPU processes: Lightning's FSDP strategy requires a GPU accelerator and says so only once the
+    target and the data have loaded; refused here instead, with the data-parallel setting that does run there."""
+    strategy = trainer.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, Mapping) else str(strategy or "")
+    if "fsdp" not in target:
+        return
+    import torch
+
+    if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
+        raise ValueError(
+            "trainer=fsdp requires a GPU accelerator (Lightning's FSDP strategy runs on GPUs only): on CPU processes "
+            "use trainer=ddp trainer.accelerator=cpu, which trains the same global batches"
+        )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Fail in one sentence on a setting left unset, a data file that is not there or a drafter field that does not
     fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
@@ -99,6 +115,7 @@ def check_config(cfg: DictConfig) -> None:
                 "data.extra_paths=[data/regenerated/math_codeio.jsonl]"
             )
     check_module_knobs(cfg.module, cfg.trainer.get("strategy"))
+    check_fsdp_device(cfg.trainer)
     build(cfg.objective)
     build(cfg.optim)
     compile_mode(cfg.model.get("compile"))
