@@ -63,7 +63,7 @@ def test_gamma_published_points_and_slot_weights():
 
 
 def test_head_outputs_are_the_selectors_candidates():
-    from dflash2.selector import CandidateSelector, softcap
+    from dflash2.selector import CandidateSelector
 
     v, h, n = 300, 24, random.randint(20, 40)
     sel = CandidateSelector(h, v, rank=8, top_k=8, output_multiplier=0.7, final_logit_softcapping=5.0)
@@ -71,7 +71,9 @@ def test_head_outputs_are_the_selectors_candidates():
     labels = torch.randint(0, v, (n,))
     for out in (plain_head(hidden, labels, head, 8), fused_head(hidden, labels, head, 8)):
         ref_cand, ref_unary = sel.compute_candidates(hidden, head)
-        assert torch.equal(out.cand, ref_cand) and torch.allclose(softcap(out.vals * 0.7, 5.0), ref_unary)
+        # Training scores its candidates by the selector's own unary rule: output_multiplier, then the softcap.
+        assert torch.equal(out.cand, ref_cand) and torch.allclose(sel.unary(out.vals), ref_unary)
+        assert torch.allclose(ref_unary, 5.0 * torch.tanh(out.vals * 0.7 / 5.0))
         assert torch.equal(out.pred, ref_cand[:, 0])
 
 

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash2.selector import CandidateSelector, head_logits, softcap
+from dflash2.selector import CandidateSelector, head_logits
 
 IGNORE = -100
 # The published decay constants of the slot weights exp(-(k-1)/gamma), as (block size, gamma).
@@ -328,7 +328,7 @@ def draft_losses(
     vals, cand = out.vals, out.cand
     if selector_detach:  # the selector learns on top of the backbone without steering it
         vals, h = vals.detach(), h.detach()
-    unary = softcap(vals.float() * selector.output_multiplier, selector.final_logit_softcapping)
+    unary = selector.unary(vals)
     match = cand == y.unsqueeze(-1)
     in_top = match.any(-1)
     gold = match.int().argmax(-1)
