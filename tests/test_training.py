@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -555,6 +556,34 @@ def test_distill_zero_is_the_hard_label_loss_exactly(parts):
     module = module_for(parts)
     assert module.target_pass(parts[3]).final_hidden is None
     assert "distill_sum" not in module.draft_step(parts[3]).counts
+
+
+def test_validation_loss_is_the_objective_training_minimises(parts, monkeypatch):
+    """Validation rebuilds the objective from its summed metrics (hard CE, soft CE, selector loss): on one batch it is
+    the loss training_step minimises, with distillation and the selector both on and a ramped selector alpha."""
+    _, target, _, batch = parts
+    module = module_for(parts, distill=0.4, selector_alpha=0.7, selector_ramp_steps=4)
+    logged: dict = {}
+    monkeypatch.setattr(module, "log_dict", lambda metrics, **_: logged.update(metrics))
+    monkeypatch.setattr(module, "log", lambda name, value, **_: logged.update({name: value}))
+    module._trainer = types.SimpleNamespace(global_step=1, sanity_checking=True)  # alpha 0.35, halfway up the ramp
+    # The random head's top 4 almost never holds a gold token, which leaves the selector's loss out. With the rows of
+    # the chats' words scaled by 10, about half of those words lead every slot's logits, so some golds are candidates.
+    weight = target.model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    words = batch["labels"][batch["labels"] != -100].unique()
+    try:
+        with torch.no_grad():
+            weight[words] *= 10.0
+            loss = float(module.training_step(batch, 0))
+            module.validation_step(batch, 0)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    module.on_validation_epoch_end()
+    assert logged["train/selector_alpha"] == pytest.approx(0.35) and logged["val/loss_selector"] > 0
+    assert logged["val/loss_distill"] != logged["val/loss_ce"]
+    assert logged["val/loss"] == pytest.approx(loss, rel=1e-5), (logged["val/loss"], loss)
 
 
 def test_soft_labels_are_the_targets_distribution_before_each_slot(parts):

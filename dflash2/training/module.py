@@ -23,7 +23,16 @@ from dflash2.data.anchors import teacher_positions
 from dflash2.manifest import MANIFEST_KEY
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_module_knobs
-from dflash2.training.losses import block_targets, draft_losses, metric_tensors, slot_weights, summarise, trained_slots
+from dflash2.training.losses import (
+    block_targets,
+    draft_losses,
+    head_loss,
+    metric_tensors,
+    slot_weights,
+    summarise,
+    total_loss,
+    trained_slots,
+)
 from dflash2.training.recipe import Objective, Optim, as_dict
 
 log = logging.getLogger(__name__)
@@ -208,7 +217,7 @@ class DFlash2Module(L.LightningModule):
         loss = out.ce
         if out.selector is not None:
             alpha = self.current_selector_alpha()
-            loss = loss + alpha * out.selector
+            loss = total_loss(loss, out.selector, alpha)
             logs |= {"loss_selector": out.selector.detach(), "selector_alpha": alpha}
         logs |= {"loss": loss.detach(), **stats}
         self.log_dict(
@@ -230,9 +239,8 @@ class DFlash2Module(L.LightningModule):
         self.val_metrics.reset()
         metrics = {k: v for k, v in metrics.items() if not _isnan(v)}
         if "loss_selector" in metrics or "loss_distill" in metrics:  # the objective, as training_step's `loss`
-            d = self.objective.distill
-            metrics["loss"] = (1 - d) * metrics["loss_ce"] + d * metrics.get("loss_distill", 0.0)
-            metrics["loss"] += self.current_selector_alpha() * metrics.get("loss_selector", 0.0)
+            head = head_loss(metrics["loss_ce"], metrics.get("loss_distill"), self.objective.distill)
+            metrics["loss"] = total_loss(head, metrics.get("loss_selector"), self.current_selector_alpha())
         # Already summed over ranks by the metric; sync_dist only averages identical values (and keeps Lightning quiet).
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=True)
         self.log("val_tau", metrics["tau_sim"], prog_bar=True, logger=False, sync_dist=True)
