@@ -11,6 +11,7 @@ import torch
 from fresh_forward import fresh_block_output
 from training_setup import config
 
+from dflash2.data.anchors import IGNORE
 from dflash2.selector import head_logits
 from dflash2.testing import tiny_target
 from dflash2.training import DFlash2Module, checks, draft_losses, loss_gamma, slot_weights
@@ -571,7 +572,7 @@ def test_validation_loss_is_the_objective_training_minimises(parts, monkeypatch)
     # the chats' words scaled by 10, about half of those words lead every slot's logits, so some golds are candidates.
     weight = target.model.get_output_embeddings().weight
     saved = weight.detach().clone()
-    words = batch["labels"][batch["labels"] != -100].unique()
+    words = batch["labels"][batch["labels"] != IGNORE].unique()
     try:
         with torch.no_grad():
             weight[words] *= 10.0

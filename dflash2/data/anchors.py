@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-IGNORE = -100
+IGNORE = -100  # the label of a slot that is not trained (cross-entropy's ignore_index); the losses read it here
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def block_labels(
     anchor_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slot k (1..B-1) of the block at anchor a predicts input_ids[a + k], the token AT that position (the block
-    holds the anchor and k-1 masks before it, so no shift). -100 past the end, on untrained tokens and on
+    holds the anchor and k-1 masks before it, so no shift). IGNORE past the end, on untrained tokens and on
     padded blocks. Shapes: ids/mask [..., L], anchors [..., n] -> [..., n, B-1]."""
     length = input_ids.shape[-1]
     pos = _slots(anchors, block_size)[..., 1:]
