@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from dflash2.config import in_window
 from dflash2.contract import check_block_size
 from dflash2.model import DFlash2DraftModel, DraftCache
 from dflash2.selector import head_logits
@@ -220,13 +221,15 @@ def draft_mask(draft: DFlash2DraftModel, rows: Rows, block_size: int) -> torch.T
     each query's own position, as the engines count it)."""
     valid = rows.key_mask.bool()
     ones = valid.new_ones(valid.shape[0], block_size, block_size)
-    full = torch.cat([valid[:, None].expand(-1, block_size, -1), ones], -1)[:, None]
-    cfg = draft.config
-    if "sliding_attention" not in cfg.layer_types:
-        return full
-    query = rows.lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
-    recent = valid[:, None] & (query[:, :, None] - rows.positions[:, None] < cfg.sliding_window)
-    return {"full_attention": full, "sliding_attention": torch.cat([recent, ones], -1)[:, None]}
+
+    def build(window: int | None) -> torch.Tensor:
+        seen = valid[:, None].expand(-1, block_size, -1)
+        if window is not None:
+            query = rows.lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
+            seen = seen & in_window(query[:, :, None], rows.positions[:, None], window)
+        return torch.cat([seen, ones], -1)[:, None]
+
+    return draft.config.attention_masks(build)
 
 
 def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash2.config import in_window
+
 IGNORE = -100  # the label of a slot that is not trained (cross-entropy's ignore_index); the losses read it here
 
 
@@ -108,7 +110,7 @@ def dense_block_mask(
     known = _key_visible(context_valid, b, context_len, len(kv), anchors.device)
     context = (kv[None, None, :] < limit[:, :, None]) & known[:, None, :]
     if window is not None:
-        context &= (limit + q % block_size)[:, :, None] - kv[None, None, :] < window
+        context &= in_window((limit + q % block_size)[:, :, None], kv[None, None, :], window)
     same_block = (kv[None, :] >= context_len) & (
         (kv[None, :] - context_len) // block_size == (q // block_size)[:, None]
     )
@@ -155,10 +157,11 @@ def flex_block_mask(
     # Context keys are the first context_len; `known` is False past them, so `all` holds only for context tiles.
     some = (first_key < over_query_tiles(limit_q, 0, torch.amax)) & known_tiles.any(-1).unsqueeze(1)
     full = (last_key < over_query_tiles(limit_q, big, torch.amin)) & known_tiles.all(-1).unsqueeze(1)
-    if window is not None:  # query q sees context key k only when k > limit_q + q % block_size - window
-        start = limit_q + q % block_size - window
-        some &= last_key > over_query_tiles(start, big, torch.amin)
-        full &= first_key > over_query_tiles(start, -big, torch.amax)
+    if window is not None:  # a query tile sees some key of a key tile when its lowest query sees the last key,
+        # and every key when its highest query sees the first (pads: never the lowest, never the highest)
+        query = limit_q + q % block_size
+        some &= in_window(over_query_tiles(query, big, torch.amin), last_key, window)
+        full &= in_window(over_query_tiles(query, -big, torch.amax), first_key, window)
     # The block keys: query tile i holds blocks first//B .. last//B, whose slots are keys L + B*(first//B) onwards.
     first_query = torch.arange(q_tiles, device=device) * tile
     last_query = (first_query + tile).clamp(max=q_len) - 1
@@ -191,7 +194,7 @@ def block_mask_mod(
         block = q_idx // block_size
         context = (kv_idx < limit[b, block]) & known[b, kv_idx]
         if window is not None:
-            context = context & (limit[b, block] + q_idx % block_size - kv_idx < window)
+            context = context & in_window(limit[b, block] + q_idx % block_size, kv_idx, window)
         same_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return context | same_block
 

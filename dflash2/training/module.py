@@ -348,9 +348,7 @@ def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlas
             return flex_block_mask(*args, window=window)
         return dense_block_mask(*args, window=window)
 
-    if "sliding_attention" not in cfg.layer_types:
-        return build(None)
-    return {"full_attention": build(None), "sliding_attention": build(cfg.sliding_window)}
+    return cfg.attention_masks(build)
 
 
 def _isnan(v: Any) -> bool:
