@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dflash2.config import DFlash2Config, tensor_shapes
+from dflash2.contract import SHARED_TENSORS, contract_name
 from dflash2.conv import DFlashGroupedConv
 from dflash2.selector import CandidateSelector
 
@@ -303,12 +304,10 @@ def check_tensors(cfg: DFlash2Config, found: dict[str, tuple[int, ...]], where: 
     problems = []
     for name in sorted(set(found) - set(expected)):
         hint = ""
-        if name.endswith("codebook.weight"):
-            hint = f" (codebooks carry no .weight suffix: rename to {name.removesuffix('.weight')})"
-        elif name.startswith("model."):
-            hint = f" (names carry no 'model.' prefix: rename to {name.removeprefix('model.')})"
-        elif name.startswith(("embed_tokens", "lm_head")):
+        if name.startswith(SHARED_TENSORS):
             hint = " (the drafter shares the target's embedding and head: drop it)"
+        elif contract_name(name) != name:
+            hint = f" (no 'model.' prefix, no .weight suffix on codebooks: rename to {contract_name(name)})"
         problems.append(f"unexpected tensor {name}{hint}")
     problems += [f"missing tensor {name} {list(expected[name])}" for name in sorted(set(expected) - set(found))]
     problems += [
