@@ -85,6 +85,12 @@ def find_checkpoint(path: str | Path) -> Path:
     return best
 
 
+def run_dir_of(ckpt_path: str | Path) -> Path:
+    """The run folder of one of its checkpoints: <run>/checkpoints/last.ckpt -> <run>."""
+    path = Path(ckpt_path).absolute()
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
 def _recorded(path: Path) -> tuple[float | None, int]:
     """(val/tau_sim, step) that a checkpoint of dflash2's training records, (None, -1) for any other file. Reading
     them loads the pickled part alone: the tensors are memory-mapped and never read."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -353,9 +352,3 @@ def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlas
 
 def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
-
-
-def run_dir_of(ckpt_path: str | Path) -> Path:
-    """<run>/checkpoints/last.ckpt -> <run>."""
-    path = Path(ckpt_path).absolute()
-    return path.parent.parent if path.parent.name == "checkpoints" else path.parent

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dflash2.training.module import run_dir_of
+from dflash2.checkpoint import run_dir_of
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dflash2.checkpoint import run_dir_of
 from dflash2.config import DFlash2Config
 from dflash2.groups import build
 from dflash2.training.checks import (
@@ -30,7 +31,6 @@ from dflash2.training.checks import (
     target_fields,
     warm_start_fields,
 )
-from dflash2.training.module import run_dir_of
 from dflash2.training.resume import hydra_subdir
 
 log = logging.getLogger(__name__)
