@@ -14,7 +14,7 @@ from training_setup import config
 from dflash2.data.anchors import IGNORE
 from dflash2.selector import head_logits
 from dflash2.testing import tiny_target
-from dflash2.training import DFlash2Module, checks, draft_losses, loss_gamma, slot_weights
+from dflash2.training import DFlash2Module, draft_losses, drafter, loss_gamma, slot_weights
 from dflash2.training.losses import fused_head, grouped_topk, plain_head, summarise
 from dflash2.training.recipe import Objective
 from dflash2.training.run import build_data, target_and_draft
@@ -284,7 +284,7 @@ def test_fast_path_matches_the_plain_path_on_cuda(parts, chats, tmp_path, drafte
 
 def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
     overrides = ("draft=dflash",) if drafter == "dflash" else ()
-    draft = checks.draft_config(config(chats, tmp_path, *overrides).draft, checks.target_fields(target))
+    draft = drafter.draft_config(config(chats, tmp_path, *overrides).draft, drafter.target_fields(target))
     distill = 0.5 if drafter.endswith("_distill") else 0.0
     plain = DFlash2Module(target, draft, Objective(fused_head=False, distill=distill)).cuda()
     fast_head = Objective(fused_head=True, logits_chunk_rows=37, distill=distill)
@@ -417,7 +417,7 @@ def test_rounded_shapes_change_nothing_that_is_trained(parts):
 
 def test_dflash_has_no_conv_or_selector(parts, chats, tmp_path):
     cfg = config(chats, tmp_path, "draft=dflash")
-    module = DFlash2Module(parts[1], checks.draft_config(cfg.draft, checks.target_fields(parts[1])))
+    module = DFlash2Module(parts[1], drafter.draft_config(cfg.draft, drafter.target_fields(parts[1])))
     names = [n for n, _ in module.draft.named_parameters()]
     assert not [n for n in names if "conv" in n or "selector" in n]
     assert module.hparams.draft_config["architectures"] == ["DFlashDraftModel"]
@@ -442,7 +442,7 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
 
     target = parts[1]
     layer_ids = sorted(random.sample(range(target.num_layers), 2))
-    dflash = checks.draft_config(config(chats, tmp_path, "draft=dflash").draft, checks.target_fields(target))
+    dflash = drafter.draft_config(config(chats, tmp_path, "draft=dflash").draft, drafter.target_fields(target))
     saved = DFlash2DraftModel(dflash.replace(target_layer_ids=layer_ids))
     with torch.no_grad():
         for p in saved.parameters():

@@ -24,13 +24,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from dflash2.checkpoint import run_dir_of
 from dflash2.config import DFlash2Config
 from dflash2.groups import build
-from dflash2.training.checks import (
-    check_config,
-    draft_config,
-    target_config_fields,
-    target_fields,
-    warm_start_fields,
-)
+from dflash2.training.checks import check_config
+from dflash2.training.drafter import draft_config, target_config_fields, target_fields, warm_start_fields
 from dflash2.training.resume import hydra_subdir
 
 log = logging.getLogger(__name__)
