@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from dflash2.bench import package_file
 from dflash2.cache import cache_root, model_folder
+from dflash2.downloads import package_file
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The model the embedded GGUF quantizes, as engines load it: what a drafter of the embedded target is served with.
