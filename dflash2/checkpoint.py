@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dflash2.config import DFlash2Config, tensor_shapes
 from dflash2.model import DFlash2DraftModel, check_tensors
@@ -137,8 +138,6 @@ def _unreadable(path: Path, e: Exception) -> ValueError:
 
 def plain(obj: Any) -> Any:
     """OmegaConf containers -> dicts/lists, so the config serialises as plain JSON."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
     return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, DictConfig | ListConfig) else obj
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
@@ -250,8 +251,6 @@ class DFlash2DraftModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints in the contract layout
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:
         """config.json + bf16 safetensors (shards and an index above max_shard_size); no embedding, no head."""
-        from huggingface_hub import save_torch_state_dict
-
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}

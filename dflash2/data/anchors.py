@@ -8,6 +8,7 @@ anchor and itself bidirectionally, never another block; a padded block sees only
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from dflash2.config import in_window
 
@@ -134,8 +135,6 @@ def flex_block_mask(
     skipped when no key of it can be visible to a query of it, attended without the mask when every key is
     visible to every query (context before the tile's lowest anchor, all of it real and inside every window), and
     masked by `block_mask_mod` otherwise."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = anchors.device if device is None else torch.device(device)
     b, n = anchors.shape
     q_len, kv_len = n * block_size, context_len + n * block_size

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash2.groups import BAD_INPUT, build
 from dflash2.training.drafter import draft_config, target_config_fields, warm_start_fields
+from dflash2.training.resume import restore_run_config
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ def check_module_knobs(module: Mapping[str, Any], strategy: Any = None) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Fail in one sentence on a setting left unset, a data file that is not there or a drafter field that does not
     fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
+    # The target's and the data's modules import transformers and datasets (seconds): here, not when Hydra loads the
+    # PrepareRun callback of this module.
     from dflash2.target import compile_mode
 
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -77,7 +80,7 @@ def check_config(cfg: DictConfig) -> None:
 def check_data(cfg: DictConfig) -> None:
     """Read the data files (`data.path`, `data.extra_paths`) through, so that a malformed record fails before the run
     has a folder. The packaged ShareGPT is not re-read: it is the package's, and the run reads it right after."""
-    from dflash2.data.chat import load_conversations
+    from dflash2.data.chat import load_conversations  # here: transformers, as in check_config
 
     quiet = logging.root.manager.disable
     logging.disable(logging.INFO)  # the run reads the files again and logs their counts, into train.log this time
@@ -110,8 +113,6 @@ class PrepareRun(Callback):
     the run's own settings, then the inputs are checked."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from dflash2.training.resume import restore_run_config
-
         try:
             if config.get("ckpt_path"):
                 restore_run_config(config)  # the run's own groups, checked when it started

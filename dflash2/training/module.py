@@ -18,8 +18,8 @@ from torchmetrics import Metric
 from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.config import DFlash2Config
 from dflash2.contract import DFLASH_FIELDS
-from dflash2.data.anchors import teacher_positions
-from dflash2.manifest import MANIFEST_KEY
+from dflash2.data.anchors import dense_block_mask, flex_block_mask, teacher_positions
+from dflash2.manifest import MANIFEST_KEY, build_manifest
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_module_knobs
 from dflash2.training.losses import (
@@ -288,8 +288,6 @@ class DFlash2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from dflash2.manifest import build_manifest
-
         checkpoint["state_dict"] = drafter_state(checkpoint["state_dict"])
         extra = {k: v for k, v in self.manifest.items() if k not in ("identity", "data_source")}
         manifest = build_manifest(
@@ -338,8 +336,6 @@ def freeze_backbone(draft: DFlash2DraftModel) -> None:
 def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlash2Config) -> Any:
     """The training mask of contract section 7: flex BlockMask on CUDA, the equivalent dense bool mask elsewhere; one
     per layer type when some draft layers slide."""
-    from dflash2.data.anchors import dense_block_mask, flex_block_mask
-
     args = (batch["anchors"], batch["anchor_valid"], length, cfg.block_size, batch["attention_mask"])
 
     def build(window: int | None) -> Any:
