@@ -18,7 +18,7 @@ from torchmetrics import Metric
 from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.config import DFlash2Config
 from dflash2.contract import DFLASH_FIELDS
-from dflash2.data.anchors import dense_block_mask, flex_block_mask, teacher_positions
+from dflash2.data.anchors import block_mask, teacher_positions
 from dflash2.manifest import MANIFEST_KEY, build_manifest
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_module_knobs
@@ -339,9 +339,7 @@ def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlas
     args = (batch["anchors"], batch["anchor_valid"], length, cfg.block_size, batch["attention_mask"])
 
     def build(window: int | None) -> Any:
-        if batch["anchors"].is_cuda:
-            return flex_block_mask(*args, window=window)
-        return dense_block_mask(*args, window=window)
+        return block_mask(*args, window=window, flex=batch["anchors"].is_cuda)
 
     return cfg.attention_masks(build)
 
