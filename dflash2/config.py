@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,13 @@ class ConfigFieldError(ValueError):
     def __init__(self, problem: Problem) -> None:
         super().__init__(str(problem))
         self.fields, self.why = list(problem.fields), problem.why
+
+
+def in_window(query_position: Any, key_position: Any, window: int) -> Any:
+    """A sliding layer's rule: the query at absolute position q sees the context position p when q - p < window, the
+    window counted from the query's own position, as the engines count it (contract sections 6 and 7). Positions are
+    ints or tensors that broadcast."""
+    return query_position - key_position < window
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -100,6 +108,13 @@ class DFlash2Config:
 
     def replace(self, **changes: Any) -> DFlash2Config:
         return dataclasses.replace(self, **changes)
+
+    def attention_masks(self, build: Callable[[int | None], Any]) -> Any:
+        """The mask a forward takes: `build(None)` (every key the rules allow) when no layer slides, else one per layer
+        type, the sliding layers' from `build(sliding_window)` (DecoderLayer picks its own by `layer_type`)."""
+        if "sliding_attention" not in self.layer_types:
+            return build(None)
+        return {"full_attention": build(None), "sliding_attention": build(self.sliding_window)}
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

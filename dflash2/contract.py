@@ -266,3 +266,14 @@ def tensor_table(
             "candidate_selector.successor_codebook": (v, r),
         }
     return shapes
+
+
+# The target's own tensors: a drafter shares its embedding and head and never stores them.
+SHARED_TENSORS = ("embed_tokens", "lm_head", "model.embed_tokens", "model.lm_head")
+
+
+def contract_name(name: str) -> str:
+    """Section 3's name for a tensor stored under one of the common wrong ones: without a 'model.' prefix, and a
+    codebook without a '.weight' suffix (plain parameters, not nn.Embedding); any other name as it is."""
+    name = name.removeprefix("model.")
+    return name.removesuffix(".weight") if name.endswith("codebook.weight") else name

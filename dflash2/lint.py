@@ -15,14 +15,21 @@ from typing import Any
 
 from safetensors import safe_open
 
-from dflash2.contract import CONV_FIELDS, DIMS, SELECTOR_FIELDS, review_config, tensor_table
+from dflash2.contract import (
+    CONV_FIELDS,
+    DIMS,
+    SELECTOR_FIELDS,
+    SHARED_TENSORS,
+    contract_name,
+    review_config,
+    tensor_table,
+)
 from dflash2.engines import review_engines
 from dflash2.manifest import MANIFEST_KEY
 
 CONV = re.compile(r"\.(attention_conv|mlp_conv)\.")
 SELECTOR = re.compile(r"^candidate_selector\.")
 FC = re.compile(r"^fc\.")
-HEAD = ("embed_tokens", "lm_head", "model.embed_tokens", "model.lm_head")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 Tensors = dict[str, tuple[str, tuple[int, ...], str]]  # name -> (safetensors dtype, shape, file)
@@ -191,7 +198,7 @@ def _check_tensors(
             by_dtype.setdefault(dtype, []).append(name)
     for dtype, names in by_dtype.items():
         problem(f"{len(names)} tensor(s) stored as {dtype}, not bf16: {_names(names)}; cast them to bfloat16")
-    for name in sorted(n for n in tensors if n.startswith(HEAD)):
+    for name in sorted(n for n in tensors if n.startswith(SHARED_TENSORS)):
         problem(f"unexpected tensor {name}: the drafter shares the target's embedding and head; drop it")
     if fields is None:
         report.notes.append("tensor names and shapes not checked: fix the model dimensions in config.json first")
@@ -203,13 +210,12 @@ def _check_tensors(
         return not any(p.search(name) for p, _ in skip)
 
     expected = {k: v for k, v in tensor_table(**fields).items() if judged(k)}
-    found = {k: v[1] for k, v in tensors.items() if judged(k) and not k.startswith(HEAD)}
+    found = {k: v[1] for k, v in tensors.items() if judged(k) and not k.startswith(SHARED_TENSORS)}
     # Tensors of an unreadable file were reported with the file; with no index, nothing can be called missing.
     missing = set(expected) - set(found) - unread if unread is not None else set()
     renamed, unknown = [], {"conv": [], "selector": [], "other": []}
     for name in sorted(set(found) - set(expected)):
-        fixed = name.removeprefix("model.")
-        fixed = fixed.removesuffix(".weight") if fixed.endswith("codebook.weight") else fixed
+        fixed = contract_name(name)
         if fixed not in missing:
             unknown[_group(name)].append(name)
             continue

@@ -9,10 +9,12 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub as hub
 import torch
+from gguf import GGUFReader
 
-from dflash2.bench import package_file
 from dflash2.cache import cache_root, model_folder
+from dflash2.downloads import package_file
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The model the embedded GGUF quantizes, as engines load it: what a drafter of the embedded target is served with.
@@ -58,8 +60,6 @@ def serve_model(path: str | None, gguf_file: str | None) -> str | None:
     if path.endswith(".gguf") or gguf_file:
         gguf = Path(path).expanduser() if path.endswith(".gguf") else Path(path).expanduser() / gguf_file
         if not gguf.is_file() and gguf_file:  # a hub repository's GGUF: the copy its loading left in the HF cache
-            import huggingface_hub as hub
-
             cached = hub.try_to_load_from_cache(path, gguf_file)
             gguf = Path(cached) if isinstance(cached, str) else gguf
         return gguf_source(gguf) if gguf.is_file() else None
@@ -69,8 +69,6 @@ def serve_model(path: str | None, gguf_file: str | None) -> str | None:
 
 def gguf_source(gguf: Path) -> str | None:
     """The hub id a GGUF file says it was converted from (`GGUF_SOURCE_FIELDS`), if it says so."""
-    from gguf import GGUFReader
-
     fields = GGUFReader(str(gguf)).fields
     for key in GGUF_SOURCE_FIELDS:
         if key in fields:
@@ -96,8 +94,6 @@ def _not_found(path: str, why: str) -> TargetNotFoundError:
 
 def _locate(path: str, gguf_file: str | None) -> dict[str, Any]:
     """from_pretrained kwargs for `path`, or a fast, one-sentence failure instead of minutes of retries."""
-    import huggingface_hub as hub
-
     if Path(path).expanduser().is_dir():
         if gguf_file is None and not (Path(path).expanduser() / "config.json").is_file():
             raise _not_found(path, "has no config.json")
@@ -123,8 +119,6 @@ def _gguf_path(path: str, gguf_file: str, kwargs: dict[str, Any]) -> Path:
         return local
     if Path(path).expanduser().is_dir():
         raise _not_found(f"{path}/{gguf_file}", "does not exist")
-    import huggingface_hub as hub
-
     return Path(hub.hf_hub_download(path, gguf_file, **kwargs))
 
 
@@ -136,8 +130,6 @@ def gguf_special_tokens(gguf: Path) -> dict[str, str]:
     """bos/eos/unk/pad as the GGUF file's `tokenizer.ggml.*_token_id` fields state them. transformers' converter has
     not always read them so (5.17 made SmolLM2's eos <|im_start|>; 5.24 reads <|im_end|>), and a target folder must
     not depend on the release that built it."""
-    from gguf import GGUFReader
-
     fields = GGUFReader(str(gguf)).fields
     tokens = fields["tokenizer.ggml.tokens"].contents()
     roles = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
@@ -147,7 +139,7 @@ def gguf_special_tokens(gguf: Path) -> dict[str, str]:
 
 def gguf_tokenizer(gguf: Path) -> Any:
     """The tokenizer of a GGUF file, with its special tokens as the file states them (`gguf_special_tokens`)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here: a second's import that only GGUF targets need
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     for role, token in gguf_special_tokens(gguf).items():
@@ -157,7 +149,7 @@ def gguf_tokenizer(gguf: Path) -> Any:
 
 def _dequantized(gguf: Path) -> Path:
     """A transformers folder holding `gguf` dequantized to fp32 (exact), built on first use and reused."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # here: a second's import that only GGUF targets need
 
     def build(tmp: Path) -> None:
         tokenizer = gguf_tokenizer(gguf)

@@ -18,6 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dflash2 import __version__
+
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = "dflash2_manifest"
@@ -82,8 +84,6 @@ def target_identity(name: str, hf_config: Any, tokenizer: Any) -> dict[str, Any]
 
 def build_manifest(identity: dict[str, Any], data_source: str, steps: int, **extra: Any) -> dict[str, Any]:
     """The target's identity plus how the drafter was made; `extra` (e.g. a run name) is kept as given."""
-    from dflash2 import __version__  # late: dflash2/__init__ may import this module
-
     return {
         "dflash2_version": __version__,
         **identity,

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
 from dflash2.config import DFlash2Config, tensor_shapes
+from dflash2.contract import SHARED_TENSORS, contract_name
 from dflash2.conv import DFlashGroupedConv
 from dflash2.selector import CandidateSelector
 
@@ -249,8 +251,6 @@ class DFlash2DraftModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints in the contract layout
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:
         """config.json + bf16 safetensors (shards and an index above max_shard_size); no embedding, no head."""
-        from huggingface_hub import save_torch_state_dict
-
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
@@ -303,12 +303,10 @@ def check_tensors(cfg: DFlash2Config, found: dict[str, tuple[int, ...]], where: 
     problems = []
     for name in sorted(set(found) - set(expected)):
         hint = ""
-        if name.endswith("codebook.weight"):
-            hint = f" (codebooks carry no .weight suffix: rename to {name.removesuffix('.weight')})"
-        elif name.startswith("model."):
-            hint = f" (names carry no 'model.' prefix: rename to {name.removeprefix('model.')})"
-        elif name.startswith(("embed_tokens", "lm_head")):
+        if name.startswith(SHARED_TENSORS):
             hint = " (the drafter shares the target's embedding and head: drop it)"
+        elif contract_name(name) != name:
+            hint = f" (no 'model.' prefix, no .weight suffix on codebooks: rename to {contract_name(name)})"
         problems.append(f"unexpected tensor {name}{hint}")
     problems += [f"missing tensor {name} {list(expected[name])}" for name in sorted(set(expected) - set(found))]
     problems += [

@@ -65,6 +65,7 @@ def quiet_libraries() -> None:
         return
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported, later
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Here, off a terminal only: transformers takes a second to import, which a run on a terminal need not spend now.
     import huggingface_hub.utils
     import transformers.utils.logging
 

@@ -46,8 +46,12 @@ class CandidateSelector(nn.Module):
         """hidden [..., H] -> (candidate_ids [..., K], unary [..., K] fp32) from a raw matmul with the head."""
         logits = head_logits(hidden, lm_head_weight, self.vocab_size)
         vals, cand = torch.topk(logits, self.top_k, dim=-1)
-        unary = softcap(vals.float() * self.output_multiplier, self.final_logit_softcapping)
-        return cand, unary
+        return cand, self.unary(vals)
+
+    def unary(self, logits: torch.Tensor) -> torch.Tensor:
+        """The candidates' unary scores from their raw head logits, fp32: scaled by the target's output multiplier,
+        then soft-capped as its head caps them. Decoding and training both score candidates here."""
+        return softcap(logits.float() * self.output_multiplier, self.final_logit_softcapping)
 
     def score(
         self,

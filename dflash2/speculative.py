@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from dflash2.config import in_window
 from dflash2.contract import check_block_size
 from dflash2.model import DFlash2DraftModel, DraftCache
 from dflash2.selector import head_logits
-
-if TYPE_CHECKING:
-    from dflash2.lookup import PromptLookup
 
 
 @dataclasses.dataclass
@@ -220,13 +218,15 @@ def draft_mask(draft: DFlash2DraftModel, rows: Rows, block_size: int) -> torch.T
     each query's own position, as the engines count it)."""
     valid = rows.key_mask.bool()
     ones = valid.new_ones(valid.shape[0], block_size, block_size)
-    full = torch.cat([valid[:, None].expand(-1, block_size, -1), ones], -1)[:, None]
-    cfg = draft.config
-    if "sliding_attention" not in cfg.layer_types:
-        return full
-    query = rows.lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
-    recent = valid[:, None] & (query[:, :, None] - rows.positions[:, None] < cfg.sliding_window)
-    return {"full_attention": full, "sliding_attention": torch.cat([recent, ones], -1)[:, None]}
+
+    def build(window: int | None) -> torch.Tensor:
+        seen = valid[:, None].expand(-1, block_size, -1)
+        if window is not None:
+            query = rows.lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
+            seen = seen & in_window(query[:, :, None], rows.positions[:, None], window)
+        return torch.cat([seen, ones], -1)[:, None]
+
+    return draft.config.attention_masks(build)
 
 
 def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -283,12 +283,43 @@ def select_caches(keep: torch.Tensor, cache: Any, draft_cache: DraftCache | None
 
 
 # ---------------------------------------------------------------------------------------------- proposers
+class Proposer(Protocol):
+    """What the decode loop asks of a proposer: `Drafter` below, or `dflash2.lookup.PromptLookup`, which plugs in
+    from its own module (this one names no proposer it does not define)."""
+
+    def slots(self, block_size: int) -> int:
+        """How many of a block's B - 1 proposing slots it fills; refuses a block it cannot work with."""
+        ...
+
+    def new_cache(self) -> Any:
+        """A fresh cache of its own for a batch (None: it keeps none)."""
+        ...
+
+    def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> Any:
+        """What it takes in of the slots just verified (the target's features of them, or None)."""
+        ...
+
+    def __call__(
+        self,
+        rows: Rows,
+        block_positions: torch.Tensor,
+        draft_cache: Any,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(proposals [b, B-1], the q each was drawn from [b, B-1, V], or None for point masses)."""
+        ...
+
+
 class Drafter:
     """A DFlash2 drafter as the loop's proposer: the target features of the newly committed slots go into its
     cache, then one forward over `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`propose`)."""
 
     def __init__(self, target: Any, draft: DFlash2DraftModel, use_selector: bool) -> None:
         self.target, self.draft, self.use_selector = target, draft, use_selector
+
+    def slots(self, block_size: int) -> int:
+        return block_size - 1  # one forward proposes every slot, at any block size
 
     def new_cache(self) -> DraftCache:
         return DraftCache(self.draft.config.num_hidden_layers)
@@ -334,7 +365,7 @@ class Drafter:
 @torch.no_grad()
 def speculative_generate(
     target: Any,
-    draft: DFlash2DraftModel | PromptLookup,
+    draft: DFlash2DraftModel | Proposer,
     prompts_ids: list[list[int]],
     block_size: int,
     max_new_tokens: int,
@@ -350,15 +381,12 @@ def speculative_generate(
     """Decode every prompt with draft-then-verify steps; greedy output equals the target's own greedy output.
 
     `target` is a `dflash2.target.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache);
-    `draft` a drafter, or prompt lookup (`use_selector` is then moot)."""
+    `draft` a drafter, or another proposer such as prompt lookup (`use_selector` is then moot)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
     check_block_size(block_size)
-    if isinstance(draft, DFlash2DraftModel):
-        proposer = Drafter(target, draft, use_selector)
-    else:
-        draft.slots(block_size)  # a block too small for the lookup's num_tokens fails now, not in the first batch
-        proposer = draft
+    proposer = Drafter(target, draft, use_selector) if isinstance(draft, DFlash2DraftModel) else draft
+    proposer.slots(block_size)  # a block too small for the lookup's num_tokens fails now, not in the first batch
     device = target.lm_head_weight.device
     generator = generator or torch.Generator(device=device).manual_seed(0)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -373,7 +401,7 @@ def speculative_generate(
 
 def decode_batch(
     target: Any,
-    proposer: Drafter | PromptLookup,
+    proposer: Proposer,
     prompts: list[list[int]],
     requests: Requests,
     block_size: int,

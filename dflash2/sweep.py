@@ -15,6 +15,8 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 
 log = logging.getLogger(__name__)
+# matplotlib is imported by the functions that plot: 0.3 s that every evaluate.py start would pay otherwise, and its
+# backend (Agg, summarize_sweep) must be chosen before pyplot is imported.
 
 SUMMARY_CSV = "summary.csv"
 TAU_PLOT = "tau_by_bench.png"

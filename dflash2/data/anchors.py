@@ -7,9 +7,15 @@ anchor and itself bidirectionally, never another block; a padded block sees only
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import Any
 
-IGNORE = -100
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from dflash2.config import in_window
+
+IGNORE = -100  # the label of a slot that is not trained (cross-entropy's ignore_index); the losses read it here
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -52,7 +58,7 @@ def block_labels(
     anchor_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slot k (1..B-1) of the block at anchor a predicts input_ids[a + k], the token AT that position (the block
-    holds the anchor and k-1 masks before it, so no shift). -100 past the end, on untrained tokens and on
+    holds the anchor and k-1 masks before it, so no shift). IGNORE past the end, on untrained tokens and on
     padded blocks. Shapes: ids/mask [..., L], anchors [..., n] -> [..., n, B-1]."""
     length = input_ids.shape[-1]
     pos = _slots(anchors, block_size)[..., 1:]
@@ -90,64 +96,47 @@ def _key_visible(
     return ok
 
 
-def dense_block_mask(
+def block_mask(
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
     context_len: int,
     block_size: int,
     context_valid: torch.Tensor | None = None,
     window: int | None = None,
-) -> torch.Tensor:
-    """bool [b, 1, n*B, L + n*B], True = attend (keys: L context tokens, then the blocks). `window` (a sliding layer):
-    slot k of the block at anchor a sees only the context positions p with (a + k) - p < window, as the engines'
-    sliding layers count it from each query's own position."""
-    b, n = anchors.shape
-    q = torch.arange(n * block_size, device=anchors.device)
-    kv = torch.arange(context_len + n * block_size, device=anchors.device)
-    limit = torch.where(anchor_valid.bool(), anchors, 0).repeat_interleave(block_size, dim=1)  # [b, q]
-    known = _key_visible(context_valid, b, context_len, len(kv), anchors.device)
-    context = (kv[None, None, :] < limit[:, :, None]) & known[:, None, :]
-    if window is not None:
-        context &= (limit + q % block_size)[:, :, None] - kv[None, None, :] < window
-    same_block = (kv[None, :] >= context_len) & (
-        (kv[None, :] - context_len) // block_size == (q // block_size)[:, None]
-    )
-    return (context | same_block[None]).unsqueeze(1)
-
-
-def flex_block_mask(
-    anchors: torch.Tensor,
-    anchor_valid: torch.Tensor,
-    context_len: int,
-    block_size: int,
-    context_valid: torch.Tensor | None = None,
-    window: int | None = None,
+    flex: bool = False,
     device: torch.device | str | None = None,
     BLOCK_SIZE: int = 128,  # noqa: N803 (flex attention's name)
-):
-    """The same mask as `dense_block_mask`, as a flex attention BlockMask (device defaults to anchors').
+) -> Any:
+    """The mask of n blocks at `anchors` [b, n] over L = `context_len` context keys, of which `context_valid` [b, L]
+    says which exist (None: all), on `device` (default anchors'). `window` (a sliding layer): slot k of the block at
+    anchor a sees only the context positions p with (a + k) - p < window, as the engines' sliding layers count it
+    from each query's own position. Every (query, key) pair follows `block_mask_mod`.
 
-    Built tile by tile from each query tile's range of anchors, not by evaluating the mask at every (query, key)
-    pair as create_block_mask does (billions of pairs at training lengths). A (query tile, key tile) pair is
-    skipped when no key of it can be visible to a query of it, attended without the mask when every key is
-    visible to every query (context before the tile's lowest anchor, all of it real and inside every window), and
-    masked by `block_mask_mod` otherwise."""
-    from torch.nn.attention.flex_attention import BlockMask
-
+    Without `flex`: bool [b, 1, n*B, L + n*B], True = attend (keys: the L context tokens, then the blocks). With
+    `flex`: the same mask as a flex attention BlockMask of BLOCK_SIZE tiles, built tile by tile from each query tile's
+    range of anchors, not by evaluating the mask at every (query, key) pair as create_block_mask does (billions of
+    pairs at training lengths). A (query tile, key tile) pair is skipped when no key of it can be visible to a query
+    of it, attended without the mask when every key is visible to every query (context before the tile's lowest
+    anchor, all of it real and inside every window), and masked by `block_mask_mod` otherwise."""
     device = anchors.device if device is None else torch.device(device)
     b, n = anchors.shape
     q_len, kv_len = n * block_size, context_len + n * block_size
-    tile = BLOCK_SIZE
-    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
     limit = torch.where(anchor_valid.bool(), anchors, 0).to(device)
     known = _key_visible(context_valid, b, context_len, kv_len, device)
+    mask_mod = block_mask_mod(limit, known, context_len, block_size, window)
+    q = torch.arange(q_len, device=device)
+    if not flex:
+        rows, kv = torch.arange(b, device=device)[:, None, None], torch.arange(kv_len, device=device)
+        return mask_mod(rows, None, q[None, :, None], kv).unsqueeze(1)
+
+    tile = BLOCK_SIZE
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
     big = 2**30
 
     def over_query_tiles(x: torch.Tensor, fill: int, reduce) -> torch.Tensor:  # [b, q_len] -> [b, q_tiles, 1]
         x = torch.nn.functional.pad(x, (0, q_tiles * tile - q_len), value=fill)
         return reduce(x.view(b, q_tiles, tile), -1).unsqueeze(-1)
 
-    q = torch.arange(q_len, device=device)
     limit_q = limit.repeat_interleave(block_size, dim=1)  # [b, q_len]: the context end each query sees
     first_key = torch.arange(kv_tiles, device=device) * tile
     last_key = (first_key + tile).clamp(max=kv_len) - 1
@@ -155,10 +144,11 @@ def flex_block_mask(
     # Context keys are the first context_len; `known` is False past them, so `all` holds only for context tiles.
     some = (first_key < over_query_tiles(limit_q, 0, torch.amax)) & known_tiles.any(-1).unsqueeze(1)
     full = (last_key < over_query_tiles(limit_q, big, torch.amin)) & known_tiles.all(-1).unsqueeze(1)
-    if window is not None:  # query q sees context key k only when k > limit_q + q % block_size - window
-        start = limit_q + q % block_size - window
-        some &= last_key > over_query_tiles(start, big, torch.amin)
-        full &= first_key > over_query_tiles(start, -big, torch.amax)
+    if window is not None:  # a query tile sees some key of a key tile when its lowest query sees the last key,
+        # and every key when its highest query sees the first (pads: never the lowest, never the highest)
+        query = limit_q + q % block_size
+        some &= in_window(over_query_tiles(query, big, torch.amin), last_key, window)
+        full &= in_window(over_query_tiles(query, -big, torch.amax), first_key, window)
     # The block keys: query tile i holds blocks first//B .. last//B, whose slots are keys L + B*(first//B) onwards.
     first_query = torch.arange(q_tiles, device=device) * tile
     last_query = (first_query + tile).clamp(max=q_len) - 1
@@ -176,7 +166,7 @@ def flex_block_mask(
         *ordered(partial),
         *ordered(full),
         BLOCK_SIZE=tile,
-        mask_mod=block_mask_mod(limit, known, context_len, block_size, window),
+        mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len),
     )
 
@@ -184,15 +174,21 @@ def flex_block_mask(
 def block_mask_mod(
     limit: torch.Tensor, known: torch.Tensor, context_len: int, block_size: int, window: int | None = None
 ):
-    """flex attention mask_mod: `limit` [b, n] = anchor (0 for padded blocks), `known` [b, L + n*B] = key exists,
-    `window` as in `dense_block_mask`."""
+    """The rule of the training mask (module docstring), as a flex attention mask_mod: `limit` [b, n] = anchor (0 for
+    padded blocks), `known` [b, L + n*B] = key exists, `window` as in `block_mask`. Indices may be tensors that
+    broadcast (`block_mask` evaluates it over every pair for the dense mask)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
         context = (kv_idx < limit[b, block]) & known[b, kv_idx]
         if window is not None:
-            context = context & (limit[b, block] + q_idx % block_size - kv_idx < window)
+            context = context & in_window(limit[b, block] + q_idx % block_size, kv_idx, window)
         same_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return context | same_block
 
     return mask_mod
+
+
+# The two forms by name: dense on the CPU, flex on CUDA (module.py: block_attention_mask chooses).
+dense_block_mask = functools.partial(block_mask, flex=False)
+flex_block_mask = functools.partial(block_mask, flex=True)

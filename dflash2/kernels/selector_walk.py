@@ -8,6 +8,7 @@ reports q = that softmax, the distribution the token really came from, which kee
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from dflash2.kernels._backend import triton, use_triton
 
@@ -53,12 +54,8 @@ else:
 
 
 def _selector_walk_triton(
-    candidate_ids: torch.Tensor,
-    scores: torch.Tensor,
-    uniforms: torch.Tensor,
-    temperatures: torch.Tensor,
-    greedy_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    candidate_ids: Tensor, scores: Tensor, uniforms: Tensor, temperatures: Tensor, greedy_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     batch, n_slots, k = candidate_ids.shape
     tokens = torch.empty(batch, n_slots, dtype=torch.int64, device=candidate_ids.device)
     q = torch.empty(batch, n_slots, k, dtype=torch.float32, device=candidate_ids.device)
@@ -79,12 +76,8 @@ def _selector_walk_triton(
 
 
 def selector_walk_reference(
-    candidate_ids: torch.Tensor,
-    scores: torch.Tensor,
-    uniforms: torch.Tensor,
-    temperatures: torch.Tensor,
-    greedy_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    candidate_ids: Tensor, scores: Tensor, uniforms: Tensor, temperatures: Tensor, greedy_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     """Plain PyTorch: a loop over the (few) slots, vectorised over the batch."""
     batch, n_slots, k = candidate_ids.shape
     if n_slots == 0:
@@ -127,12 +120,8 @@ def _check(candidate_ids, scores, uniforms, temperatures, greedy_mask) -> None:
 
 
 def selector_walk(
-    candidate_ids: torch.Tensor,
-    scores: torch.Tensor,
-    uniforms: torch.Tensor,
-    temperatures: torch.Tensor,
-    greedy_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    candidate_ids: Tensor, scores: Tensor, uniforms: Tensor, temperatures: Tensor, greedy_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     """candidate_ids [b, S, K], scores [b, S, K, K], uniforms [b, S], temperatures [b], greedy_mask [b]
     -> (tokens [b, S] int64, q [b, S, K] fp32). Sampling rows need temperature > 0 (not checked: no host sync)."""
     _check(candidate_ids, scores, uniforms, temperatures, greedy_mask)

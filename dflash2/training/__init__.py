@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.strategies import FSDPStrategy
+
+from dflash2.model import DecoderLayer
 from dflash2.training.losses import draft_losses, loss_gamma, selector_alpha, slot_weights, summarise
 from dflash2.training.module import DFlash2Module, DraftMetrics, freeze_backbone
 from dflash2.training.run import register_resolvers, target_and_draft, train
@@ -11,10 +14,6 @@ from dflash2.training.run import register_resolvers, target_and_draft, train
 
 def fsdp_strategy(**kwargs: Any) -> Any:
     """Lightning's FSDP, wrapping each draft decoder layer (Hydra cannot spell a set of classes)."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from dflash2.model import DecoderLayer
-
     return FSDPStrategy(auto_wrap_policy={DecoderLayer}, use_orig_params=True, **kwargs)
 
 

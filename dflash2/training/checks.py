@@ -1,5 +1,5 @@
-"""What `python train.py` checks before anything loads, and how it builds the groups' objects: a setting left unset,
-the data files, the drafter's fields, the objective and optimizer settings.
+"""What `python train.py` checks before anything loads: a setting left unset, the data files, the drafter's fields
+(built as training builds them, dflash2.training.drafter), the objective and optimizer settings.
 
 `PrepareRun` runs the checks before Hydra makes the run folder, so a bad setting costs a second and leaves nothing
 behind. Every message names the setting as it is typed on the command line (`draft.conv_group_size`).
@@ -16,45 +16,11 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash2.config import ConfigFieldError, DFlash2Config
 from dflash2.groups import BAD_INPUT, build
+from dflash2.training.drafter import draft_config, target_config_fields, warm_start_fields
+from dflash2.training.resume import restore_run_config
 
 log = logging.getLogger(__name__)
-
-
-def draft_config(draft_cfg: DictConfig, target_fields: dict[str, Any]) -> DFlash2Config:
-    """The `draft` group's DFlash2Config for a target (`target_fields`: its dimensions and mask token, from
-    `draft_config_fields`); a draft setting left null takes the target's value. A bad field is named as its setting."""
-    inherited = {k: v for k, v in target_fields.items() if draft_cfg.get(k) is None}
-    try:
-        return build(draft_cfg, **inherited)
-    except ConfigFieldError as e:
-        # Named as typed: the draft group's own settings, else what the target's config says.
-        names = [f"draft.{f}" if f in draft_cfg else f"the target's {f}" for f in e.fields]
-        raise ValueError("/".join(names) + f": {e.why}") from None
-
-
-def target_fields(target: Any) -> dict[str, Any]:
-    """What a drafter inherits from a loaded target (`TargetModel`), mask token included."""
-    return target.draft_config_fields() | {"mask_token_id": target.mask_token_id}
-
-
-def target_config_fields(model_cfg: DictConfig) -> dict[str, Any]:
-    """`target_fields` from the `model` group and the target's config.json alone, in a second, before any weights."""
-    from dflash2.target import draft_config_fields, load_target_config
-
-    return draft_config_fields(load_target_config(model_cfg)) | {"mask_token_id": model_cfg.get("mask_token_id")}
-
-
-def warm_start_fields(module_cfg: DictConfig) -> dict[str, Any]:
-    """What a warm start (`module.init_from`) fixes in the draft group: the drafter's depth and the target layers."""
-    if not module_cfg.get("init_from"):
-        return {}
-    try:
-        saved = DFlash2Config.from_pretrained(module_cfg.init_from)
-    except BAD_INPUT as e:
-        raise ValueError(f"module.init_from={module_cfg.init_from}: {e}") from None
-    return {"num_hidden_layers": saved.num_hidden_layers, "target_layer_ids": list(saved.target_layer_ids)}
 
 
 def check_module_knobs(module: Mapping[str, Any], strategy: Any = None) -> None:
@@ -100,6 +66,8 @@ def check_fsdp_device(trainer: Mapping[str, Any]) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Fail in one sentence on a setting left unset, a data file that is not there or a drafter field that does not
     fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
+    # The target's and the data's modules import transformers and datasets (seconds): here, not when Hydra loads the
+    # PrepareRun callback of this module.
     from dflash2.target import compile_mode
 
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -173,8 +141,6 @@ class PrepareRun(Callback):
     the run's own settings, then the inputs are checked."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from dflash2.training.resume import restore_run_config
-
         try:
             if config.get("ckpt_path"):
                 restore_run_config(config)  # the run's own groups, checked when it started

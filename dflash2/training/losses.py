@@ -34,9 +34,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash2.selector import CandidateSelector, head_logits, softcap
+from dflash2.data.anchors import IGNORE
+from dflash2.selector import CandidateSelector, head_logits
 
-IGNORE = -100
 # The published decay constants of the slot weights exp(-(k-1)/gamma), as (block size, gamma).
 PUBLISHED_GAMMA = ((8, 4.0), (10, 5.0), (16, 7.0))
 
@@ -83,6 +83,17 @@ def selector_alpha(step: int, alpha: float, warmup_steps: int = 0, ramp_steps: i
     return float(alpha) * min(1.0, (step - warmup_steps + 1) / ramp_steps)
 
 
+def head_loss(hard: torch.Tensor, soft: torch.Tensor | None, distill: float) -> torch.Tensor:
+    """The head's loss against the slot targets (1 - d) onehot(gold) + d softmax(teacher): (1 - d) CE_hard + d CE_soft
+    (module docstring); the hard CE alone without a teacher. Per row, or of sums and means alike (it is linear)."""
+    return hard if soft is None else (1 - distill) * hard + distill * soft
+
+
+def total_loss(head: torch.Tensor, selector: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """What training minimises: the head's loss plus `alpha` (`selector_alpha`, ramped) times the selector's."""
+    return head if selector is None else head + alpha * selector
+
+
 @dataclasses.dataclass
 class DraftLosses:
     """The two loss terms (scalars with grad) and the counts the metrics are sums of. `ce` is the cross-entropy
@@ -123,7 +134,7 @@ def plain_head(
     if teacher is not None:
         target = torch.softmax(head_logits(teacher, lm_head_weight, lm_head_weight.shape[0]), -1)
         soft_rows = -(target * torch.log_softmax(logits, -1)).sum(-1)
-        rows = (1 - distill) * ce_rows + distill * soft_rows
+        rows = head_loss(ce_rows, soft_rows, distill)
         soft_rows = soft_rows.detach()
     out = HeadOut(rows, ce_rows.detach(), logits.argmax(-1), soft_rows=soft_rows)
     if top_k:
@@ -213,7 +224,7 @@ class _FusedHead(torch.autograd.Function):
         ctx.hidden_dtype, ctx.chunk_rows = hidden.dtype, chunk_rows
         ctx.mark_non_differentiable(*(t for t in (ce, soft, pred, cand if top_k else None) if t is not None))
         # A tensor of its own: `ce` is marked non-differentiable, the rows carry the gradient.
-        rows = ce.clone() if soft is None else (1 - distill) * ce + distill * soft
+        rows = ce.clone() if soft is None else head_loss(ce, soft, distill)
         return rows, ce, soft, pred, vals, cand
 
     @staticmethod
@@ -334,7 +345,7 @@ def draft_losses(
     vals, cand = out.vals, out.cand
     if selector_detach:  # the selector learns on top of the backbone without steering it
         vals, h = vals.detach(), h.detach()
-    unary = softcap(vals.float() * selector.output_multiplier, selector.final_logit_softcapping)
+    unary = selector.unary(vals)
     match = cand == y.unsqueeze(-1)
     in_top = match.any(-1)
     gold = match.int().argmax(-1)

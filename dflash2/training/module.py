@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -19,12 +18,21 @@ from torchmetrics import Metric
 from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.config import DFlash2Config
 from dflash2.contract import DFLASH_FIELDS
-from dflash2.data.anchors import teacher_positions
+from dflash2.data.anchors import block_mask, teacher_positions
 from dflash2.data.features import cached_output
-from dflash2.manifest import MANIFEST_KEY
+from dflash2.manifest import MANIFEST_KEY, build_manifest
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_module_knobs
-from dflash2.training.losses import block_targets, draft_losses, metric_tensors, slot_weights, summarise, trained_slots
+from dflash2.training.losses import (
+    block_targets,
+    draft_losses,
+    head_loss,
+    metric_tensors,
+    slot_weights,
+    summarise,
+    total_loss,
+    trained_slots,
+)
 from dflash2.training.recipe import Objective, Optim, as_dict
 
 log = logging.getLogger(__name__)
@@ -217,7 +225,7 @@ class DFlash2Module(L.LightningModule):
         losses = {"loss": out.ce}
         if out.selector is not None:
             alpha = self.current_selector_alpha()
-            losses |= {"loss": out.ce + alpha * out.selector, "loss_selector": out.selector}
+            losses |= {"loss": total_loss(out.ce, out.selector, alpha), "loss_selector": out.selector}
         summed = {k: v.detach() for k, v in (out.counts | losses).items()}
         if self.ranks() > 1:  # what is logged is the global batch's: its counts summed over the ranks, and the mean
             # of the ranks' shares of the losses, in one all-reduce (a mean of the ranks' ratios weighs rows unequally)
@@ -249,9 +257,8 @@ class DFlash2Module(L.LightningModule):
         self.val_metrics.reset()
         metrics = {k: v for k, v in metrics.items() if not _isnan(v)}
         if "loss_selector" in metrics or "loss_distill" in metrics:  # the objective, as training_step's `loss`
-            d = self.objective.distill
-            metrics["loss"] = (1 - d) * metrics["loss_ce"] + d * metrics.get("loss_distill", 0.0)
-            metrics["loss"] += self.current_selector_alpha() * metrics.get("loss_selector", 0.0)
+            head = head_loss(metrics["loss_ce"], metrics.get("loss_distill"), self.objective.distill)
+            metrics["loss"] = total_loss(head, metrics.get("loss_selector"), self.current_selector_alpha())
         # Already summed over ranks by the metric; sync_dist only averages identical values (and keeps Lightning quiet).
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, sync_dist=True)
         self.log("val_tau", metrics["tau_sim"], prog_bar=True, logger=False, sync_dist=True)
@@ -300,8 +307,6 @@ class DFlash2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from dflash2.manifest import build_manifest
-
         checkpoint["state_dict"] = drafter_state(checkpoint["state_dict"])
         extra = {k: v for k, v in self.manifest.items() if k not in ("identity", "data_source")}
         manifest = build_manifest(
@@ -358,25 +363,13 @@ def freeze_backbone(draft: DFlash2DraftModel) -> None:
 def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlash2Config) -> Any:
     """The training mask of contract section 7: flex BlockMask on CUDA, the equivalent dense bool mask elsewhere; one
     per layer type when some draft layers slide."""
-    from dflash2.data.anchors import dense_block_mask, flex_block_mask
-
     args = (batch["anchors"], batch["anchor_valid"], length, cfg.block_size, batch["attention_mask"])
 
     def build(window: int | None) -> Any:
-        if batch["anchors"].is_cuda:
-            return flex_block_mask(*args, window=window)
-        return dense_block_mask(*args, window=window)
+        return block_mask(*args, window=window, flex=batch["anchors"].is_cuda)
 
-    if "sliding_attention" not in cfg.layer_types:
-        return build(None)
-    return {"full_attention": build(None), "sliding_attention": build(cfg.sliding_window)}
+    return cfg.attention_masks(build)
 
 
 def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
-
-
-def run_dir_of(ckpt_path: str | Path) -> Path:
-    """<run>/checkpoints/last.ckpt -> <run>."""
-    path = Path(ckpt_path).absolute()
-    return path.parent.parent if path.parent.name == "checkpoints" else path.parent

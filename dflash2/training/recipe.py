@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from transformers import get_cosine_schedule_with_warmup
 
 from dflash2.training.losses import selector_alpha
 
@@ -82,8 +83,6 @@ class Optim:
 
     def build(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], precision: str, total_steps: int):
         """Lightning's `configure_optimizers` answer for the trainable parameters of a run of `total_steps`."""
-        from transformers import get_cosine_schedule_with_warmup
-
         decay, no_decay = [], []
         for name, p in named_parameters:
             if p.requires_grad:

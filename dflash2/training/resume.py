@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dflash2.training.module import run_dir_of
+from dflash2.checkpoint import run_dir_of
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +29,6 @@ def hydra_subdir(ckpt_path: str | None, stamp: str) -> str:
 def restore_run_config(cfg: DictConfig) -> None:
     """Turn Hydra's composition of a resume line (`cfg`, with its `hydra` node) into the run's config, in place: the
     run's recorded config, in the checkpoint's folder, with the resume line's overrides applied by Hydra's rules."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     run = run_dir_of(cfg.ckpt_path)
     record = run / RECORD
     if not (record / "config.yaml").is_file():

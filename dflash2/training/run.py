@@ -16,22 +16,22 @@ from pathlib import Path
 from typing import Any
 from weakref import proxy
 
+import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dflash2.checkpoint import run_dir_of
 from dflash2.config import DFlash2Config
 from dflash2.groups import build
-from dflash2.training.checks import (
-    check_config,
-    draft_config,
-    target_config_fields,
-    target_fields,
-    warm_start_fields,
-)
-from dflash2.training.module import run_dir_of
-from dflash2.training.resume import hydra_subdir
+from dflash2.locate import serve_model
+from dflash2.manifest import target_identity
+from dflash2.progress import Progress, interactive, quiet_libraries
+from dflash2.training.checks import check_config
+from dflash2.training.drafter import draft_config, target_config_fields, target_fields, warm_start_fields
+from dflash2.training.resume import RECORD, hydra_subdir
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,6 @@ class LogTrainingProgress(Callback):
         self.bar: Any = None
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
-        from dflash2.progress import Progress, interactive
-
         if trainer.is_global_zero and not interactive():
             total = int(trainer.estimated_stepping_batches)
             self.bar = Progress(total=total, initial=trainer.global_step, desc="train", unit="steps", miniters=0)
@@ -209,13 +207,6 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     """Fit a drafter; returns {"run_dir", "ckpt_path", "start": val metrics at step 0, "end": latest val, ...}.
 
     `callbacks` are added to the configured ones (tests use this to look inside a run)."""
-    import lightning as L
-    from hydra.core.hydra_config import HydraConfig
-
-    from dflash2.locate import serve_model
-    from dflash2.manifest import target_identity
-    from dflash2.progress import interactive, quiet_libraries
-
     started = time.time()
     check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
     quiet_libraries()
@@ -298,14 +289,10 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
 def experiment_choice(cfg: DictConfig) -> str | None:
     """The `experiment` a run was started with (None: none, or train() called without Hydra): Hydra's choice for this
     command, or for a resume the one the run's record holds (a resume keeps its run's config groups)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return None
     choices = HydraConfig.get().runtime.choices
     if cfg.get("ckpt_path"):
-        from dflash2.training.resume import RECORD
-
         record = run_dir_of(cfg.ckpt_path) / RECORD / "hydra.yaml"
         if record.is_file():
             choices = OmegaConf.load(record).hydra.runtime.choices
