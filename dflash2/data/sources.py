@@ -69,9 +69,7 @@ MATH = Archive(
 REASONING_GYM = Archive(
     generators.REASONING_GYM, wheel=True, members={"codeio.jsonl.gz": "reasoning_gym/data/codeio.jsonl.gz"}
 )
-CHITCHAT = Archive(
-    "chitchat-dataset==0.9.0", wheel=True, members={"chitchat.json": "chitchat_dataset/dataset.json"}
-)
+CHITCHAT = Archive("chitchat-dataset==0.9.0", wheel=True, members={"chitchat.json": "chitchat_dataset/dataset.json"})
 CODEIO_ASK = "Write a Python function `main_solution` that does this."
 CODEIO_EXPLAIN = "Explain step by step what this Python code computes, and what `main_solution` returns."
 DOCSTRING_QUOTES = '"' * 3
