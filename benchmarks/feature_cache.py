@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import train_throughput as bench  # noqa: E402
 
+from dflash2.data import feature_store as fs  # noqa: E402
 from dflash2.data import features as fc  # noqa: E402
 from dflash2.training import checks  # noqa: E402
 
@@ -85,18 +86,18 @@ def run_preset(preset: str, args: argparse.Namespace, folder: pathlib.Path) -> d
         _sync()
         seconds = time.perf_counter() - start
         disk = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
-        store = fc.FeatureStore(out)
-        cached_batches[dtype] = batch | fc.pad_features([store.row(i) for i in range(b)], length)
+        store = fs.FeatureStore(out)
+        cached_batches[dtype] = batch | fs.pad_features([store.row(i) for i in range(b)], length)
         result["caches"][dtype] = {
             "tokens": manifest["tokens"],
             "write_s": seconds,
             "write_tokens_per_s": manifest["tokens"] / seconds,
             "bytes_per_token": disk / manifest["tokens"],
-            "bytes_per_token_formula": fc.bytes_per_token(target.hidden_size, len(layers), dtype),
+            "bytes_per_token_formula": fs.bytes_per_token(target.hidden_size, len(layers), dtype),
         }
     overrides = list(args.override)
     result["online"] = timed_steps(preset, target, batch, args, overrides)
-    fc.drop_target_layers(target)  # what train.py does with data.features
+    fs.drop_target_layers(target)  # what train.py does with data.features
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/feature_cache.json", help="where the JSON goes")
     parser.add_argument("--preset", nargs="+", choices=list(bench.PRESETS), default=["smollm2"])
-    parser.add_argument("--dtype", nargs="+", choices=fc.DTYPES, default=list(fc.DTYPES))
+    parser.add_argument("--dtype", nargs="+", choices=fs.DTYPES, default=list(fs.DTYPES))
     parser.add_argument("--rows", type=int, help="rows written to each cache (default 32; --small: 4)")
     parser.add_argument("--steps", type=int, help="timed steps (default 5; --small: 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 2; --small: 1)")

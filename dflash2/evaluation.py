@@ -38,7 +38,7 @@ from dflash2.manifest import (
 )
 from dflash2.model import DFlash2DraftModel
 from dflash2.progress import DecodeProgress, quiet_libraries
-from dflash2.speculative import Generation, OnCommit, speculative_generate, target_generate
+from dflash2.speculative import Generation, OnCommit, Sampling, speculative_generate, target_generate
 from dflash2.target import resolve_device
 
 log = logging.getLogger(__name__)
@@ -288,9 +288,14 @@ def decode(
     on_commit: OnCommit | None = None,
 ) -> list[Generation]:
     """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None."""
+    sampling = Sampling(**{f.name: settings[f.name] for f in dataclasses.fields(Sampling)})
+    length = settings["max_new_tokens"]
     if draft is None:
-        return target_generate(target, prompt_ids, generator=generator, on_commit=on_commit, **settings)
-    return speculative_generate(target, draft, prompt_ids, generator=generator, on_commit=on_commit, **settings)
+        return target_generate(target, prompt_ids, length, sampling, generator, on_commit)
+    block_size, use_selector = settings["block_size"], settings["use_selector"]
+    return speculative_generate(
+        target, draft, prompt_ids, block_size, length, sampling, use_selector, generator, on_commit
+    )
 
 
 def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -> dict[str, Any]:

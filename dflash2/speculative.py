@@ -362,6 +362,22 @@ class Drafter:
 
 
 # ---------------------------------------------------------------------------------------------- decoding
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How both decoders sample and batch: temperature (0 = greedy), top-k (0 = off) and top-p of every token drawn,
+    the ids that end a reply, and prompts per batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] | list[int] | set[int] = ()
+    batch_size: int = 8
+
+    def token(self) -> dict[str, float]:
+        """The keyword arguments of `first_token` and `verify`."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: Any,
@@ -369,11 +385,7 @@ def speculative_generate(
     prompts_ids: list[list[int]],
     block_size: int,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_ids: list[int] | set[int] = (),
-    batch_size: int = 8,
+    sampling: Sampling = Sampling(),
     use_selector: bool = True,
     generator: torch.Generator | None = None,
     on_commit: OnCommit | None = None,
@@ -389,12 +401,11 @@ def speculative_generate(
     proposer.slots(block_size)  # a block too small for the lookup's num_tokens fails now, not in the first batch
     device = target.lm_head_weight.device
     generator = generator or torch.Generator(device=device).manual_seed(0)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     results: list[Generation] = []
-    for start in range(0, len(prompts_ids), batch_size):
-        prompts = prompts_ids[start : start + batch_size]
-        requests = Requests(len(prompts), max_new_tokens, set(stop_ids), on_commit)
-        decode_batch(target, proposer, prompts, requests, block_size, sampling, generator)
+    for start in range(0, len(prompts_ids), sampling.batch_size):
+        prompts = prompts_ids[start : start + sampling.batch_size]
+        requests = Requests(len(prompts), max_new_tokens, set(sampling.stop_ids), on_commit)
+        decode_batch(target, proposer, prompts, requests, block_size, sampling.token(), generator)
         results += requests.out
     return results
 
@@ -462,11 +473,7 @@ def target_generate(
     target: Any,
     prompts_ids: list[list[int]],
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_ids: list[int] | set[int] = (),
-    batch_size: int = 8,
+    sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
     on_commit: OnCommit | None = None,
 ) -> list[Generation]:
@@ -474,17 +481,17 @@ def target_generate(
     autoregressive baseline (every step commits 1 token, tau = 1)."""
     device = target.lm_head_weight.device
     generator = generator or torch.Generator(device=device).manual_seed(0)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    token_args = sampling.token()
     results: list[Generation] = []
-    for start in range(0, len(prompts_ids), batch_size):
-        ids, key_mask = pad_right(prompts_ids[start : start + batch_size], device)
+    for start in range(0, len(prompts_ids), sampling.batch_size):
+        ids, key_mask = pad_right(prompts_ids[start : start + sampling.batch_size], device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         lengths = key_mask.sum(-1)
         out = target.forward(
             ids, attention_mask=key_mask, position_ids=positions, use_cache=True, logits_at=lengths - 1
         )
-        token = first_token(out.logits, generator=generator, **sampling)
-        requests = Requests(ids.shape[0], max_new_tokens, set(stop_ids), on_commit)
+        token = first_token(out.logits, generator=generator, **token_args)
+        requests = Requests(ids.shape[0], max_new_tokens, set(sampling.stop_ids), on_commit)
         done = [requests.commit(i, [t]) for i, t in enumerate(token.tolist())]
         while not all(done):  # finished rows keep decoding (and are ignored): the reference favours simplicity
             key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], -1)
@@ -496,7 +503,7 @@ def target_generate(
                 use_cache=True,
             )
             lengths = lengths + 1
-            token = first_token(out.logits[:, -1], generator=generator, **sampling)
+            token = first_token(out.logits[:, -1], generator=generator, **token_args)
             done = [d or requests.commit(i, [t]) for i, (d, t) in enumerate(zip(done, token.tolist(), strict=True))]
         results += requests.out
     return results

@@ -249,7 +249,9 @@ def test_copy_gap_replays_prompt_lookups_own_steps():
         piece = torch.randint(4, target.vocab_size, (int(torch.randint(2, 6, (), generator=g)),), generator=g)
         prompts.append(piece.tolist() * 3)
     block_size = random.choice([4, 8])
-    out = speculative.speculative_generate(target, PromptLookup(), prompts, block_size, 24, batch_size=2)
+    out = speculative.speculative_generate(
+        target, PromptLookup(), prompts, block_size, 24, speculative.Sampling(batch_size=2)
+    )
     assert max(n for o in out for n in o.accept_lengths) >= 2  # some lookups were accepted
     for prompt, o in zip(prompts, out, strict=True):
         replay = load("copy_gap").lookup_accepts(prompt, o.output_ids, o.accept_lengths, block_size, PromptLookup())

@@ -23,6 +23,7 @@ import pytest
 import torch
 from training_setup import config
 
+from dflash2.data import feature_store as fs
 from dflash2.data import features as fc
 from dflash2.training import DFlash2Module, checks
 from dflash2.training.run import build_data, target_and_draft, train
@@ -35,9 +36,9 @@ def setup(chats: Path, tmp_path_factory: pytest.TempPathFactory):
     cfg = config(chats, root / "run")
     target, draft = target_and_draft(cfg)
     rows = build_data(cfg, target, draft)._rows()[0]
-    fields = fc.binding(cfg.model, cfg.data, list(draft.target_layer_ids))
+    fields = fs.binding(cfg.model, cfg.data, list(draft.target_layer_ids))
     caches = {}
-    for dtype in fc.DTYPES:
+    for dtype in fs.DTYPES:
         caches[dtype] = root / dtype
         fc.write_features(target, rows, caches[dtype], fields, dtype=dtype, batch_size=3, shard_rows=8)
     return cfg, target, draft, rows, caches
@@ -48,14 +49,14 @@ def eps_of(x: torch.Tensor, dtype: str, layers: int) -> torch.Tensor:
     if dtype == "bf16":
         return 2.0**-8 * x.abs()
     per_layer = x.unflatten(-1, (layers, -1))
-    scale = per_layer.abs().amax(-1, keepdim=True) / fc.FP8_MAX
+    scale = per_layer.abs().amax(-1, keepdim=True) / fs.FP8_MAX
     return (2.0**-4 * per_layer.abs() + 2.0**-10 * scale).flatten(-2)
 
 
-@pytest.mark.parametrize("dtype", fc.DTYPES)
+@pytest.mark.parametrize("dtype", fs.DTYPES)
 def test_cache_holds_each_rows_features_to_its_last_trained_token_within_the_formats_rounding(setup, dtype):
     cfg, target, draft, rows, caches = setup
-    store = fc.FeatureStore(caches[dtype])
+    store = fs.FeatureStore(caches[dtype])
     layers = len(draft.target_layer_ids)
     assert len(store) == len(rows) and store.manifest["target_layer_ids"] == list(draft.target_layer_ids)
     worst, sq, norm = 0.0, 0.0, 0.0
@@ -65,7 +66,7 @@ def test_cache_holds_each_rows_features_to_its_last_trained_token_within_the_for
         cached = store.row(i)
         assert cached["features"].shape == (n, layers * target.hidden_size)
         exact = target(torch.tensor(rows[i]["input_ids"][:n])[None], logits=False).hidden[0].float()
-        got = fc.dequantize(cached["features"], cached.get("feature_scales"), torch.float32)
+        got = fs.dequantize(cached["features"], cached.get("feature_scales"), torch.float32)
         noise = 1e-5 * exact.pow(2).mean().sqrt()
         excess = (got - exact).abs() - eps_of(exact, dtype, layers) - noise
         worst = max(worst, float(excess.max()))
@@ -90,7 +91,7 @@ def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     )
 
 
-@pytest.mark.parametrize("dtype", fc.DTYPES)
+@pytest.mark.parametrize("dtype", fs.DTYPES)
 def test_a_step_from_the_cache_is_the_online_step_within_the_formats_bound(setup, dtype):
     cfg, target, draft, rows, caches = setup
     torch.manual_seed(0)
@@ -160,21 +161,21 @@ def test_the_writer_resumes_missing_shards_and_refuses_a_folder_of_other_setting
     from safetensors.torch import load_file
 
     folder = tmp_path / "cache"
-    fields = fc.binding(cfg.model, cfg.data, list(draft.target_layer_ids))
+    fields = fs.binding(cfg.model, cfg.data, list(draft.target_layer_ids))
     fc.write_features(target, rows, folder, fields, dtype="fp8", shard_rows=8)
-    first = load_file(folder / fc.shard_name(1))
-    (folder / fc.shard_name(1)).unlink()
+    first = load_file(folder / fs.shard_name(1))
+    (folder / fs.shard_name(1)).unlink()
     with pytest.raises(ValueError, match=r"incomplete \(2 of 3 shards\)"):
-        fc.FeatureStore(folder)
-    before = (folder / fc.shard_name(0)).stat().st_mtime_ns
+        fs.FeatureStore(folder)
+    before = (folder / fs.shard_name(0)).stat().st_mtime_ns
     fc.write_features(target, rows, folder, fields, dtype="fp8", shard_rows=8)  # the rerun
-    assert (folder / fc.shard_name(0)).stat().st_mtime_ns == before  # kept, not rewritten
-    again = load_file(folder / fc.shard_name(1))
+    assert (folder / fs.shard_name(0)).stat().st_mtime_ns == before  # kept, not rewritten
+    again = load_file(folder / fs.shard_name(1))
     assert all(torch.equal(first[k].view(torch.uint8), again[k].view(torch.uint8)) for k in ("features",))
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary file left
     with pytest.raises(ValueError, match="dtype: 'fp8' there, 'bf16' now"):
         fc.write_features(target, rows, folder, fields, dtype="bf16", shard_rows=8)
-    assert json.loads((folder / fc.MANIFEST).read_text())["dtype"] == "fp8"
+    assert json.loads((folder / fs.MANIFEST).read_text())["dtype"] == "fp8"
 
 
 def test_training_runs_validates_and_resumes_from_the_cache_without_the_targets_layers(setup, chats, tmp_path):
@@ -191,7 +192,7 @@ def test_dropped_target_layers_refuse_to_run():
     from dflash2.testing import tiny_target
 
     target = tiny_target(target_layer_ids=[1, 2])
-    fc.drop_target_layers(target)
+    fs.drop_target_layers(target)
     assert len(target.layers) == 0 and target.embed_tokens.weight.numel() > 0
     with pytest.raises(RuntimeError, match="data.features"):
         target(torch.tensor([[1, 2, 3]]), logits=False)

@@ -93,7 +93,7 @@ class Oracle:
 
 def test_target_generate_is_the_models_own_greedy_generation(tiny):
     prompts = random_prompts(torch.seed() % 10_000, 3, tiny.vocab_size)
-    ours = spec.target_generate(tiny, prompts, max_new_tokens=10, batch_size=2)
+    ours = spec.target_generate(tiny, prompts, 10, spec.Sampling(batch_size=2))
     for prompt, out in zip(prompts, ours, strict=True):
         hf = tiny.model.generate(
             torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
@@ -106,7 +106,7 @@ def test_target_generate_is_the_models_own_greedy_generation(tiny):
 def greedy_case(tiny):
     """Fresh prompts, the target's own greedy outputs, and a stop token from the middle of the first output."""
     prompts = random_prompts(torch.seed() % 10_000, 4, tiny.vocab_size)
-    free = spec.target_generate(tiny, prompts, max_new_tokens=MAX_NEW, batch_size=4)
+    free = spec.target_generate(tiny, prompts, MAX_NEW, spec.Sampling(batch_size=4))
     stop = free[0].output_ids[MAX_NEW // 2]
     # Greedy decoding with a stop token is the free run cut after the stop's first occurrence.
     with_stop = [g.output_ids[: g.output_ids.index(stop) + 1] if stop in g.output_ids else g.output_ids for g in free]
@@ -138,7 +138,9 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(
         forced = Oracle(prompts, free, tiny.vocab_size, wrong=0.5, seed=seed)
         forced.watch(draft)
         monkeypatch.setattr(spec, "propose", forced.wrap(spec.propose))
-    out = spec.speculative_generate(tiny, draft, prompts, block_size, MAX_NEW, stop_ids=[stop], batch_size=3)
+    out = spec.speculative_generate(
+        tiny, draft, prompts, block_size, MAX_NEW, spec.Sampling(stop_ids=[stop], batch_size=3)
+    )
     assert [g.output_ids for g in out] == reference
     for got in out:
         assert len(got.output_ids) == 1 + sum(got.accept_lengths)
@@ -155,7 +157,7 @@ def test_compacted_caches_decode_exactly_and_stay_small(tiny, monkeypatch):
     seed = torch.seed() % 10_000
     prompts = random_prompts(seed, 4, tiny.vocab_size)
     # Long enough that the masked slots (6 or 7 per step after each request's first block) outgrow the text.
-    free = spec.target_generate(tiny, prompts, max_new_tokens=40, batch_size=4)
+    free = spec.target_generate(tiny, prompts, 40, spec.Sampling(batch_size=4))
     reference = [g.output_ids for g in free]
     draft = make_draft(tiny, "dflash2", 8, seed)
     forced = Oracle(prompts, free, tiny.vocab_size, wrong=1.0, seed=seed, reach=2)
@@ -172,7 +174,7 @@ def test_compacted_caches_decode_exactly_and_stay_small(tiny, monkeypatch):
 
     compact = spec.compact
     monkeypatch.setattr(spec, "compact", recording)
-    out = spec.speculative_generate(tiny, draft, prompts, 8, 40, batch_size=4)
+    out = spec.speculative_generate(tiny, draft, prompts, 8, 40, spec.Sampling(batch_size=4))
     assert [g.output_ids for g in out] == reference
     shrunk = [(b, a) for b, a, _ in widths if a != b]
     assert shrunk, "no step compacted the caches"
@@ -208,7 +210,7 @@ def repeating_prompts(seed, n, vocab):
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_prompt_lookup_greedy_output_is_the_targets_greedy_output(tiny, block_size, monkeypatch):
     prompts = repeating_prompts(torch.seed() % 10_000, 4, tiny.vocab_size)
-    reference = spec.target_generate(tiny, prompts, max_new_tokens=24, batch_size=4)
+    reference = spec.target_generate(tiny, prompts, 24, spec.Sampling(batch_size=4))
     steps = []  # (features kept for a drafter, target cache width before, after) per compaction
 
     def recording(rows, cache, draft_cache):
@@ -219,7 +221,7 @@ def test_prompt_lookup_greedy_output_is_the_targets_greedy_output(tiny, block_si
 
     compact = spec.compact
     monkeypatch.setattr(spec, "compact", recording)
-    out = spec.speculative_generate(tiny, PromptLookup(), prompts, block_size, 24, batch_size=3)
+    out = spec.speculative_generate(tiny, PromptLookup(), prompts, block_size, 24, spec.Sampling(batch_size=3))
     assert [g.output_ids for g in out] == [g.output_ids for g in reference]
     for got in out:
         assert len(got.output_ids) == 1 + sum(got.accept_lengths)
@@ -317,7 +319,7 @@ def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
     outs = {}
     for name in ("triton", "torch"):
         with kernels.backend(name):
-            outs[name] = spec.speculative_generate(tiny, draft, prompts, 4, 6, batch_size=2)
+            outs[name] = spec.speculative_generate(tiny, draft, prompts, 4, 6, spec.Sampling(batch_size=2))
     assert [g.output_ids for g in outs["triton"]] == [g.output_ids for g in outs["torch"]]
     assert len(seen["triton"]) == len(seen["torch"]) > 0
     for a, b in zip(seen["triton"], seen["torch"], strict=True):
@@ -411,9 +413,7 @@ def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k,
             [prompt] * n,
             4,
             3,
-            temperature=temperature,
-            top_k=top_k,
-            batch_size=n,
+            spec.Sampling(temperature=temperature, top_k=top_k, batch_size=n),
             generator=torch.Generator().manual_seed(5),
         )
         codes = torch.tensor([g.output_ids for g in out]) @ torch.tensor([64, 8, 1])

@@ -23,7 +23,7 @@ from dflash2.data.chat import (
     sharegpt_path,
     tokenize_conversations,
 )
-from dflash2.data.features import FeatureStore, pad_features, truncate
+from dflash2.data.feature_store import FeatureStore, pad_features, truncate
 
 log = logging.getLogger(__name__)
 

@@ -93,7 +93,7 @@ def check_config(cfg: DictConfig) -> None:
     check_drop_last(cfg.data.get("drop_last", False))
     planned = draft_config(OmegaConf.merge(cfg.draft, warm_start_fields(cfg.module)), target_config_fields(cfg.model))
     if cfg.data.get("features"):  # a cache of another target, layers, template or data is refused before it loads
-        from dflash2.data.features import check_cache
+        from dflash2.data.feature_store import check_cache
 
         check_cache(cfg, list(planned.target_layer_ids))
 

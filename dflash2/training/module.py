@@ -19,7 +19,7 @@ from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.config import DFlash2Config
 from dflash2.contract import DFLASH_FIELDS
 from dflash2.data.anchors import block_mask, teacher_positions
-from dflash2.data.features import cached_output
+from dflash2.data.feature_store import cached_output
 from dflash2.manifest import MANIFEST_KEY, build_manifest
 from dflash2.model import DFlash2DraftModel
 from dflash2.training.checks import check_module_knobs

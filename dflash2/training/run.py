@@ -230,7 +230,7 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
 
     target, draft = target_and_draft(cfg)
     if cfg.data.get("features"):  # the cache replaces the target's layers: only its embedding and head are used
-        from dflash2.data.features import drop_target_layers
+        from dflash2.data.feature_store import drop_target_layers
 
         drop_target_layers(target)
     datamodule = build_data(cfg, target, draft)
