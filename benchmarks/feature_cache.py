@@ -31,7 +31,7 @@ import train_throughput as bench  # noqa: E402
 
 from dflash2.data import feature_store as fs  # noqa: E402
 from dflash2.data import features as fc  # noqa: E402
-from dflash2.training import checks  # noqa: E402
+from dflash2.training import drafter  # noqa: E402
 
 
 def _sync() -> None:
@@ -57,7 +57,7 @@ def run_preset(preset: str, args: argparse.Namespace, folder: pathlib.Path) -> d
     cfg = bench.compose_preset(preset, args.small, args.override)
     torch.manual_seed(0)
     target = bench.build_target(preset, cfg, args.small, device, args.random_weights).to(device)
-    draft = checks.draft_config(cfg.draft, checks.target_fields(target))
+    draft = drafter.draft_config(cfg.draft, drafter.target_fields(target))
     pad = getattr(target.tokenizer, "pad_token_id", None) or 0
     batch = bench.synthetic_batch(cfg, draft, target.vocab_size, pad)
     b, length = batch["input_ids"].shape

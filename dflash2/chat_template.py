@@ -82,3 +82,13 @@ def render_chat(
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=generation_prompt, **dict(chat_template_kwargs or {})
     )
+
+
+def one_setting(found: list[tuple[str, dict[str, Any]]], what: str, fix: str) -> dict[str, Any] | None:
+    """The one `chat_template_kwargs` that all of `found` ((label, the arguments it was regenerated with) pairs)
+    shares; None when `found` is empty. Data regenerated under two settings is refused, naming each: training renders
+    it one way, so one part would be trained on text it was not generated under."""
+    if len({format_kwargs(k) for _, k in found}) > 1:
+        listed = "; ".join(f"{label}: {format_kwargs(k)}" for label, k in found)
+        raise ValueError(f"{what} regenerated with different {KWARGS_KEY} ({listed}): {fix}")
+    return found[0][1] if found else None

@@ -185,7 +185,7 @@ def test_files_regenerated_before_the_setting_was_recorded_load_as_regenerated_w
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(regenerated.read_text() + "".join(json.dumps(r | {"id": r["id"] + "-old"}) + "\n" for r in old))
     for asked in (None, NO_THINKING):
-        with pytest.raises(ValueError, match="mixes conversations regenerated with chat_template_kwargs"):
+        with pytest.raises(ValueError, match="mixes conversations regenerated with different chat_template_kwargs"):
             data_module(target.tokenizer, mixed, tmp_path, chat_template_kwargs=asked).prepare_data()
     # A file regenerated alike beside one regenerated otherwise (extra_paths) is refused as well.
     with pytest.raises(ValueError, match="different chat_template_kwargs"):

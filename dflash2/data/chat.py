@@ -22,7 +22,7 @@ from typing import Any
 import datasets
 
 from dflash2 import bench
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, one_setting, render_chat
 from dflash2.manifest import tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -202,14 +202,12 @@ def regenerated_with(conversations: datasets.Dataset, source: str) -> dict[str, 
             "taken as regenerated with none, {}",
             source, unrecorded, KWARGS_KEY,
         )  # fmt: skip
-    if len(found) > 1:
-        settings = " and ".join(f"{format_kwargs(json.loads(k))} ({n} conversations)" for k, n in found.items())
-        raise ValueError(
-            f"{source} mixes conversations regenerated with {KWARGS_KEY} {settings}: training renders a file one way; "
-            f"regenerate it with one setting (python -m dflash2.data.regenerate {KWARGS_KEY}=...) or split it by "
-            "setting into files trained separately"
-        )
-    return json.loads(next(iter(found))) if found else None
+    return one_setting(
+        [(f"{n} conversations", json.loads(k)) for k, n in found.items()],
+        f"{source} mixes conversations",
+        f"regenerate it with one setting (python -m dflash2.data.regenerate {KWARGS_KEY}=...) or split it by setting "
+        "into files trained separately",
+    )
 
 
 def _apply_template(

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, same_kwargs
+from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, one_setting, same_kwargs
 from dflash2.contract import check_block_size
 from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
 from dflash2.data.chat import (
@@ -212,15 +212,10 @@ def resolve_chat_template_kwargs(
     recorded = {source: regenerated_with(rows, source) for source, rows in files.items()}
     regenerated = {source: kwargs for source, kwargs in recorded.items() if kwargs is not None}
     if requested is None:
-        distinct = {format_kwargs(k) for k in regenerated.values()}
-        if len(distinct) > 1:
-            listed = "; ".join(f"{source}: {format_kwargs(k)}" for source, k in regenerated.items())
-            raise ValueError(
-                f"{setting} is null (render as the data was regenerated), but the files were regenerated with "
-                f"different {KWARGS_KEY} ({listed}): train on files regenerated alike, or regenerate them with one "
-                "setting"
-            )
-        chosen = next(iter(regenerated.values())) if regenerated else {}
+        what = f"{setting} is null (render as the data was regenerated), but the files were"
+        fix = "train on files regenerated alike, or regenerate them with one setting"
+        chosen = one_setting(list(regenerated.items()), what, fix)
+        chosen = {} if chosen is None else chosen
         log.info(
             "rendering the chats with %s=%s (%s)",
             KWARGS_KEY,
