@@ -286,7 +286,7 @@ def test_the_model_card_serves_the_target_that_training_loaded(tmp_path):
     "recorded, served",
     [
         # trained on the embedded GGUF: its dequantized copy in that machine's cache is served as SmolLM2's hub id
-        ({"target_path": "/root/w/.cache/gguf/SmolLM2-135M-Instruct.Q4_1-6c734edd4904"}, SMOLLM2_HUB_ID),
+        ({"target_path": "/home/u/.cache/dflash2/gguf/SmolLM2-135M-Instruct.Q4_1-6c734edd4904"}, SMOLLM2_HUB_ID),
         ({"target_path": "/x/gguf/SmolLM2-135M-Instruct.Q4_1-1", "serve_model": SMOLLM2_HUB_ID}, SMOLLM2_HUB_ID),
         ({"target_path": "/x/gguf/Other-Q8-123"}, "<hub id or folder of smollm2>"),  # no portable name known
         ({"target_path": "/x/gguf/Other-Q8-123", "serve_model": None}, "<hub id or folder of smollm2>"),
