@@ -561,13 +561,14 @@ def test_distill_zero_is_the_hard_label_loss_exactly(parts):
 
 def test_validation_loss_is_the_objective_training_minimises(parts, monkeypatch):
     """Validation rebuilds the objective from its summed metrics (hard CE, soft CE, selector loss): on one batch it is
-    the loss training_step minimises, with distillation and the selector both on and a ramped selector alpha."""
+    the loss training_step minimises, with distillation and the selector both on and a ramped selector alpha. Under
+    the decay weights, which the metrics use whatever the objective's weighting (D-PACE's trains otherwise)."""
     _, target, _, batch = parts
-    module = module_for(parts, distill=0.4, selector_alpha=0.7, selector_ramp_steps=4)
+    module = module_for(parts, distill=0.4, selector_alpha=0.7, selector_ramp_steps=4, position_weights="decay")
     logged: dict = {}
     monkeypatch.setattr(module, "log_dict", lambda metrics, **_: logged.update(metrics))
     monkeypatch.setattr(module, "log", lambda name, value, **_: logged.update({name: value}))
-    module._trainer = types.SimpleNamespace(global_step=1, sanity_checking=True)  # alpha 0.35, halfway up the ramp
+    module._trainer = types.SimpleNamespace(global_step=1, sanity_checking=True, world_size=1)  # alpha 0.35: halfway
     # The random head's top 4 almost never holds a gold token, which leaves the selector's loss out. With the rows of
     # the chats' words scaled by 10, about half of those words lead every slot's logits, so some golds are candidates.
     weight = target.model.get_output_embeddings().weight
