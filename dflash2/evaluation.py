@@ -92,6 +92,7 @@ class CheckSettings(HydraCallback):
     (or a sweep's), so a failed start leaves nothing behind. A sweep's drafters (`-m drafter=a,b`) are each checked."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        quiet_libraries()  # first: the checks below may dequantize a GGUF target, with the libraries' bars
         try:
             check_settings(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
         except (FileNotFoundError, ValueError) as e:
@@ -100,6 +101,7 @@ class CheckSettings(HydraCallback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
+        quiet_libraries()
         try:
             for override in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
                 if override.key_or_group != "drafter":

@@ -15,6 +15,7 @@ from gguf import GGUFReader
 
 from dflash2.cache import cache_root, model_folder
 from dflash2.downloads import package_file
+from dflash2.progress import module_bars_off
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The model the embedded GGUF quantizes, as engines load it: what a drafter of the embedded target is served with.
@@ -150,10 +151,12 @@ def gguf_tokenizer(gguf: Path) -> Any:
 def _dequantized(gguf: Path) -> Path:
     """A transformers folder holding `gguf` dequantized to fp32 (exact), built on first use and reused."""
     from transformers import AutoModelForCausalLM  # here: a second's import that only GGUF targets need
+    from transformers import modeling_gguf_pytorch_utils as gguf_conversion
 
     def build(tmp: Path) -> None:
         tokenizer = gguf_tokenizer(gguf)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with module_bars_off(gguf_conversion):  # its bar's frames would be lines of their own in a log file
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are dense now; a leftover GGUF quantization_config would make the next load re-quantize.
         del model.config.quantization_config
         model.hf_quantizer = None

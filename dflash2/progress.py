@@ -7,11 +7,14 @@ LOG_INTERVAL_S seconds instead, plus one when it starts and one when it ends.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -73,6 +76,21 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
+
+
+@contextlib.contextmanager
+def module_bars_off(module: Any) -> Iterator[None]:
+    """Off a terminal, the bars of a library module that draws plain tqdm (not its library's switchable one) are
+    off while the block runs: transformers' GGUF conversion draws one, which the libraries' switches do not reach."""
+    if interactive():
+        yield
+        return
+    drawn = module.tqdm
+    module.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = drawn
 
 
 class Progress(tqdm):

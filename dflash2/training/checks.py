@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash2.groups import BAD_INPUT, build
+from dflash2.progress import quiet_libraries
 from dflash2.training.drafter import draft_config, target_config_fields, warm_start_fields
 from dflash2.training.resume import restore_run_config
 
@@ -141,6 +142,7 @@ class PrepareRun(Callback):
     the run's own settings, then the inputs are checked."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        quiet_libraries()  # first: the checks below may dequantize a GGUF target, with the libraries' bars
         try:
             if config.get("ckpt_path"):
                 restore_run_config(config)  # the run's own groups, checked when it started
