@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from dflash2.groups import BAD_INPUT
+from dflash2.groups import exit_on_bad_input
 from dflash2.training import register_resolvers, train
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
+@exit_on_bad_input
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except BAD_INPUT as e:
-        # Bad input (a missing model or file, an invalid setting) is the user's to fix, and the message says how.
-        sys.exit(str(e))
+    train(cfg)
 
 
 if __name__ == "__main__":

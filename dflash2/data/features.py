@@ -179,23 +179,13 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    import sys
-
     import hydra
 
-    from dflash2.groups import BAD_INPUT
+    from dflash2.groups import exit_on_bad_input
     from dflash2.training import register_resolvers
 
     register_resolvers()
-
-    @hydra.main(version_base="1.3", config_path="../../configs", config_name="features")
-    def _main(cfg: Any) -> None:
-        try:
-            run(cfg)
-        except BAD_INPUT as e:
-            sys.exit(str(e))
-
-    _main()
+    hydra.main(version_base="1.3", config_path="../../configs", config_name="features")(exit_on_bad_input(run))()
 
 
 if __name__ == "__main__":
