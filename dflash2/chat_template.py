@@ -14,6 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import Container, OmegaConf
+
 KWARGS_KEY = "chat_template_kwargs"  # in a regenerated record, in a drafter's manifest, in the configs
 # Arguments of `apply_chat_template` itself: as template variables they would change what it does instead.
 RESERVED = frozenset(
@@ -31,13 +33,8 @@ def check_chat_template_kwargs(value: Any, setting: str) -> dict[str, Any] | Non
     `apply_chat_template`'s own arguments."""
     if value is None:
         return None
-    try:  # a Hydra node
-        from omegaconf import Container, OmegaConf
-
-        if isinstance(value, Container):
-            value = OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with Hydra, a dependency
-        pass
+    if isinstance(value, Container):  # a Hydra node
+        value = OmegaConf.to_container(value, resolve=True)
     example = "e.g. {enable_thinking: false} for Qwen3, {} for none"
     if not isinstance(value, Mapping):
         raise ValueError(f"{setting}={value!r}: the chat template's extra arguments are a mapping ({example})")

@@ -14,6 +14,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +64,16 @@ def _read_member(path: Path, member: str) -> bytes:
         return f.read()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write next to the target and rename, so a crash or a parallel run never leaves half a file."""
+def write_atomic(path: Path, data: bytes | Callable[[str], None]) -> None:
+    """Write next to the target and rename, so a crash or a parallel run never leaves half a file. `data`: the bytes,
+    or a function that writes the file at the path it is given (a library's own writer, e.g. safetensors')."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if isinstance(data, bytes):
+                f.write(data)
+        if not isinstance(data, bytes):
+            data(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
         os.replace(tmp, path)
     except BaseException:

@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,25 +46,12 @@ from dflash2.data.feature_store import (
     quantize,
     shard_name,
 )
+from dflash2.downloads import write_atomic
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- writing
-def _atomic_write(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary file, not mkstemp's owner-only mode
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_manifest(output: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest, or check the one there: a rerun continues a cache of the same binding and refuses another."""
     file = output / MANIFEST
@@ -80,7 +65,7 @@ def write_manifest(output: Path, manifest: dict[str, Any]) -> None:
                 "or the settings it was started with to finish it"
             )
         return
-    _atomic_write(file, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=2) + "\n"))
+    write_atomic(file, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
 def write_features(
@@ -147,7 +132,7 @@ def write_features(
                 bar.update(sum(own[j] for j in chunk))
             tensors = quantize(torch.cat(out), dtype, layers)
             tensors["offsets"] = torch.tensor(np.cumsum([0, *own]), dtype=torch.int64)
-            _atomic_write(output / shard_name(k), lambda tmp, t=tensors: save_file(t, tmp))
+            write_atomic(output / shard_name(k), lambda tmp, t=tensors: save_file(t, tmp))
     return manifest
 
 

@@ -116,8 +116,8 @@ def check_data(cfg: DictConfig) -> None:
             files[extra] = load_conversations(extra)
         # A file regenerated under other chat template arguments than training renders with is refused here, before
         # the target loads, not after.
-        requested = OmegaConf.to_container(cfg.data, resolve=True).get(KWARGS_KEY)
-        resolve_chat_template_kwargs(check_chat_template_kwargs(requested, f"data.{KWARGS_KEY}"), files)
+        requested = check_chat_template_kwargs(cfg.data.get(KWARGS_KEY), f"data.{KWARGS_KEY}")
+        resolve_chat_template_kwargs(requested, files)
     finally:
         logging.disable(quiet)
 
