@@ -481,7 +481,8 @@ def test_regenerate_fills_each_call_from_the_pool(tiny, tmp_path):
             calls.clear()
             out = tmp_path / f"regen-{batch_size}.jsonl"
             conversations = load_conversations(str(tmp_path / "chats.json"))
-            assert regenerate(tiny, conversations, out, batch_size=batch_size, max_new_tokens=5) == 3
+            kwargs = dict(batch_size=batch_size, max_new_tokens=5, shortest_first=False)  # the input's order
+            assert regenerate(tiny, conversations, out, **kwargs) == 3
             outputs[batch_size] = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
             if batch_size == 2:
                 pooled = calls[:]
@@ -490,6 +491,51 @@ def test_regenerate_fills_each_call_from_the_pool(tiny, tmp_path):
     assert len(pooled) == 2 and len(calls) == 4  # turn by turn, batch 2 would take 3 calls
     assert "Another one?" in pooled[1][0] and "Say hi." in pooled[1][1]
     assert outputs[2] == outputs[1] and len(outputs[2]["a"]) == 5
+
+
+def test_shortest_first_sizes_each_calls_static_cache_and_writes_the_same_replies(tiny, tmp_path):
+    """Shortest first, each call's static cache is the next multiple of CACHE_STEP above its longest prompt plus
+    reply (at most max_length), and greedy replies are those of the input's order."""
+    from dflash2.data.regenerate import CACHE_STEP, cache_length
+
+    rng = random.Random()
+    words = [rng.randint(1, 900), rng.randint(1200, 1800)] + rng.sample(range(1, 1800), 4)  # words per prompt:
+    rng.shuffle(words)  # some fit a cache of 1,024, some need 2,048; the input's order is random
+    text = lambda n: " ".join(rng.choice(["apple", "river", "stone", "cloud"]) for _ in range(n))
+    records = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": text(n)}, {"from": "gpt", "value": "OLD"}]}
+        for i, n in enumerate(words)
+    ]
+    (tmp_path / "chats.json").write_text(json.dumps(records))
+    calls, original = [], tiny.model.generate
+
+    def spy(**kwargs):
+        longest = int(kwargs["attention_mask"].sum(-1).max())  # the call's longest prompt, before its left padding
+        calls.append((longest, kwargs["input_ids"].shape[1], kwargs["generation_config"].max_cache_len))
+        return original(**kwargs)
+
+    outputs = {}
+    tiny.model.generate = spy
+    try:
+        for shortest_first in (True, False):
+            calls.clear()
+            out = tmp_path / f"regen-{shortest_first}.jsonl"
+            conversations = load_conversations(str(tmp_path / "chats.json"))
+            kwargs = dict(batch_size=2, max_new_tokens=3, max_length=2 * CACHE_STEP, cache_implementation="static")
+            assert regenerate(tiny, conversations, out, shortest_first=shortest_first, **kwargs) == 6
+            lines = [json.loads(line) for line in out.read_text().splitlines()]
+            outputs[shortest_first] = {r["id"]: r["messages"] for r in lines}
+            if shortest_first:
+                assert [r["id"] for r in lines] == [f"c{i}" for i in sorted(range(6), key=words.__getitem__)]
+                longest = [n for n, _, _ in calls]
+                assert longest == sorted(longest)  # the prompts come shortest first, so their calls do too
+            for n, width, cache in calls:
+                assert cache == cache_length(n + 3, 2 * CACHE_STEP) == min(2, -(-(n + 3) // CACHE_STEP)) * CACHE_STEP
+                assert width == cache - 3  # padded to the cache's prompt width: one compiled shape per cache size
+            assert {cache for _, _, cache in calls} == {CACHE_STEP, 2 * CACHE_STEP}
+    finally:
+        tiny.model.generate = original
+    assert outputs[True] == outputs[False]
 
 
 def test_regenerate_marks_replies_cut_by_max_new_tokens(tiny, tmp_path, monkeypatch):

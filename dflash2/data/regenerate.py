@@ -83,13 +83,17 @@ def regenerate(
     chat_template_kwargs: dict[str, Any] | None = None,
     regenerated_by: str = "target",
     cache_implementation: str | None = None,
+    shortest_first: bool = True,
 ) -> int:
     """Regenerate and append every conversation not in `output` yet; returns how many were written.
 
     Conversations flow through a pool: each `generate` call takes the `batch_size` oldest waiting turns, whatever
     conversation or turn number they belong to, and a conversation's next turn waits again as soon as its reply
     is in. So every call but the last few is full, where a turn-by-turn schedule leaves the late turns of a few
-    long conversations in small batches of their own. A conversation is written when its last turn is in."""
+    long conversations in small batches of their own. A conversation is written when its last turn is in.
+
+    With `shortest_first` the conversations enter the pool shortest first (by characters), so a call's prompts are
+    of similar length and its static cache (sized to its longest prompt, `cache_length`) is mostly a short one."""
     output = Path(output)
     chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, KWARGS_KEY) or {}
     check_output(output, chat_template_kwargs)
@@ -103,6 +107,8 @@ def regenerate(
         chat_template_kwargs=chat_template_kwargs,
     )
     written = calls = 0
+    if shortest_first:
+        todo = deque(sorted(todo, key=conversation_chars))
     with (
         output.open("a") as out,
         output.with_name(output.name + ".skipped").open("a") as skip,
@@ -113,8 +119,11 @@ def regenerate(
                 dialogues.add(todo.popleft())
             turns = [dialogues.waiting.popleft() for _ in range(min(batch_size, len(dialogues.waiting)))]
             if turns:
+                prompts = [ids for _, ids in turns]
+                cache_len = cache_length(max(map(len, prompts)) + max_new_tokens, max_length)
+                pad_to = cache_len - max_new_tokens
                 replies = generate(
-                    target, [ids for _, ids in turns], max_new_tokens, temperature, cache_implementation, max_length
+                    target, prompts, max_new_tokens, temperature, cache_implementation, cache_len, pad_to
                 )
                 for (key, _), (reply, truncated) in zip(turns, replies, strict=True):
                     dialogues.reply(key, reply, truncated)
@@ -132,6 +141,22 @@ def regenerate(
             bar.set_postfix(calls=calls, refresh=False)
             bar.update(len(results))
     return written
+
+
+# A static cache is sized per call to the next multiple of this: few sizes (each one a compile), and a call of short
+# prompts attends over 1,024 positions, not max_length's 3,072 (the decode step reads the whole cache).
+CACHE_STEP = 1024
+
+
+def cache_length(needed: int, max_length: int) -> int:
+    """The static cache's length for a call whose longest prompt plus reply needs `needed` positions."""
+    return min(max_length, -(-needed // CACHE_STEP) * CACHE_STEP)
+
+
+def conversation_chars(conversation: dict[str, Any]) -> int:
+    """A conversation's length in characters, the cheap proxy `shortest_first` sorts by (its last prompt holds it
+    all, with the replies regenerated in place of the originals)."""
+    return sum(len(m["content"]) for m in conversation["messages"])
 
 
 class Dialogues:
@@ -218,12 +243,13 @@ def generate(
     temperature: float,
     cache_implementation: str | None = None,
     max_cache_len: int | None = None,
+    pad_to: int | None = None,
 ) -> list[tuple[str, bool]]:
     """(reply text, cut by max_new_tokens) per prompt; a reply is cut when no end-of-sequence token ended it.
 
     `cache_implementation="static"`: transformers preallocates the KV cache and, on CUDA, compiles the decode
     step into a CUDA graph, which is what makes a small target's batched generation fast. `max_cache_len` sizes
-    that cache for the longest call once: otherwise each batch's own length is a new shape and a recompile."""
+    that cache; each new size is a new shape and a recompile, so `regenerate` passes one of a few (`cache_length`)."""
     config = generation_config(
         target,
         max_new_tokens,
@@ -232,7 +258,11 @@ def generate(
         max_cache_len=max_cache_len if cache_implementation == "static" else None,
     )
     tokenizer, model = target.tokenizer, target.model
-    batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
+    # A static cache compiles the decode step for the prompts' padded width too: a call padded to its own longest
+    # prompt is a new shape and a recompile (half a minute at B = 512); padded to `pad_to`, a cache size is one shape.
+    padding = {"padding": "max_length", "max_length": pad_to} if pad_to and cache_implementation == "static" else {}
+    batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt", **padding)
+    batch = batch.to(model.device)
     out = model.generate(**batch, generation_config=config)
     replies = out[:, batch["input_ids"].shape[1] :]
     # A finished row is padded after its end token (the pad may be eos itself); a cut one never met an end token.
@@ -269,6 +299,7 @@ def run(cfg: DictConfig) -> int:
         chat_template_kwargs=chat_template_kwargs,
         regenerated_by=cfg.model.name,
         cache_implementation=cfg.get("cache_implementation"),
+        shortest_first=cfg.shortest_first,
     )
     print(
         f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name}, "
