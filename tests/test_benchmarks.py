@@ -186,6 +186,20 @@ def test_decode_step_small_times_both_attentions(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- acceptance_vs_pld.py
+def test_generate_call_small_times_each_cache_and_width(tmp_path):
+    out = tmp_path / "generate_call.json"
+    argv = ["--small", "--batch", "2", "--steps", "3", "--width", "5", "--cache", "32", "64", "--widths", "7", "9"]
+    result = load("generate_call").main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    calls = [(r["cache"], r["width"], r["padding"], r["call"]) for r in result["calls"]]
+    assert calls == [
+        (32, 5, "none", "first"), (32, 5, "none", "second"), (64, 5, "none", "first"), (64, 5, "none", "second"),
+        (32, 7, "fixed", "new width"), (32, 9, "fixed", "new width"), (32, 7, "none", "new width"),
+        (32, 9, "none", "new width"),
+    ]  # fmt: skip
+    assert all(finite_positive(r["seconds"]) and r["ms_per_step"] == 1000 * r["seconds"] / 3 for r in result["calls"])
+
+
 def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     """A work folder as acceptance.sh leaves it: the T=0 block-16 taus by bench, steps/epochs/minutes, the goals."""
     rng = random.Random(random.randrange(2**63))

@@ -287,7 +287,7 @@ def run(cfg: DictConfig) -> int:
         raise SystemExit(str(e)) from None  # one sentence, no traceback
     conversations = load_conversations(cfg.input, limit=cfg.limit)  # input null = the packaged ShareGPT
     if cfg.num_shards > 1:
-        conversations = conversations.shard(cfg.num_shards, cfg.shard_index)
+        conversations = conversations.shard(cfg.num_shards, cfg.shard_index, contiguous=False)
     n = regenerate(
         target,
         conversations,
