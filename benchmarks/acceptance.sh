@@ -9,7 +9,8 @@
 #   bash benchmarks/acceptance.sh WORK_DIR            # e.g. ~/acceptance; rerun to resume
 #
 # Env: STEPS (optimizer steps per drafter; unset = the experiment's whole schedule, 6 epochs, whose cosine then spans
-# them; set, the cosine spans STEPS), VAL (validate every VAL steps; unset = the experiment's 4 times an epoch), LIMIT
+# them; set, the cosine spans STEPS), BUDGET (minutes: each drafter's training stops there, trainer.max_time, its
+# validations included; size STEPS to it from a measured step rate so that the cosine ends in time), VAL (validate every VAL steps; unset = the experiment's 4 times an epoch), LIMIT
 # (ShareGPT conversations to regenerate, 2800: STEPS x data.batch_size rows plus the 256 held out for validation, with
 # room for skips), JOBS (processes sharing the GPUs while the grid runs, 6: one evaluation is bound by its Python loop
 # and leaves a GPU mostly idle), SETTINGS (the grid's settings, ';'-separated, default all four of T=0,1 x block
@@ -103,6 +104,7 @@ regenerate() {
 schedule=()  # the experiment's own epochs and validations unless STEPS / VAL ask for others
 if [ -n "$STEPS" ]; then schedule+=(trainer.max_steps="$STEPS" trainer.max_epochs=1000); fi
 if [ -n "$VAL" ]; then schedule+=(trainer.val_check_interval="$VAL"); fi
+if [ -n "${BUDGET:-}" ]; then schedule+=(trainer.max_time="00:$(printf '%02d:%02d' $((BUDGET / 60)) $((BUDGET % 60))):00"); fi
 train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter already checked is kept
   [ -f "$W/exports/$1.checked" ] && return 0
   if ! { on "$2" python train.py "${train_args[@]}" data.path="$DATA" run_dir="$W/runs/$1" task_name="acceptance_$1" \

@@ -4,8 +4,9 @@
 
 Reads WORK_DIR/sweeps/summary.csv (every grid run) and each drafter's training log, and writes
 WORK_DIR/acceptance_vs_pld.json: for T=0 and block 16, per bench, {"pld": tau, "<drafter>": tau, ...}; per drafter
-the training command, optimizer steps, epochs and training minutes; and the goals checked against them
-(DFlash2 at least 1.5x PLD on gsm8k and above PLD on every bench, at least 1.25x DFlash on gsm8k and humaneval).
+the training command, its data, optimizer steps, conversations seen, epochs and training minutes; and, for each
+DFlash2 drafter (joint, warm start), the goals checked against them (at least 1.5x PLD on gsm8k and above PLD on
+every bench, at least 1.25x DFlash on gsm8k and humaneval).
 """
 
 from __future__ import annotations
@@ -34,33 +35,35 @@ def taus(summary: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 
 def training(log: Path, batch_size: int | None) -> dict[str, Any]:
-    """Steps, minutes and epochs from a train.py log (its summary and its data lines); no epochs without the run's
-    batch size."""
+    """Steps, minutes, conversations seen and epochs from a train.py log (its summary and its data lines); neither of
+    the last two without the run's batch size."""
     text = log.read_text()
     steps = re.findall(r"steps\s+(\d+) in ([0-9.]+) min", text)
     chats = re.findall(r"(\d+) training and \d+ validation chats", text)
     out: dict[str, Any] = {"log": str(log)}
     if steps:
         out["steps"], out["minutes"] = int(steps[-1][0]), float(steps[-1][1])
-        if chats and batch_size:
-            out["epochs"] = out["steps"] * batch_size / int(chats[-1])
+        if batch_size:
+            out["conversations"] = out["steps"] * batch_size
+            if chats:
+                out["epochs"] = out["conversations"] / int(chats[-1])
     return out
 
 
-def goals(table: dict[str, dict[str, float]]) -> dict[str, Any]:
+def goals(table: dict[str, dict[str, float]], draft: str) -> dict[str, Any]:
+    """The goals for one DFlash2 drafter (`dflash2` or `dflash2_warm`)."""
+
     def ratio(bench: str, a: str, b: str) -> float | None:
         row = table.get(bench, {})
         return row[a] / row[b] if a in row and b in row else None
 
-    vs_pld = {bench: ratio(bench, "dflash2", "pld") for bench in table}
+    vs_pld = {bench: ratio(bench, draft, "pld") for bench in table}
     return {
-        "dflash2_over_pld": vs_pld,
-        "dflash2_over_dflash": {bench: ratio(bench, "dflash2", "dflash") for bench in table},
+        "over_pld": vs_pld,
+        "over_dflash": {bench: ratio(bench, draft, "dflash") for bench in table},
         "gsm8k_1.5x_pld": (vs_pld.get("gsm8k") or 0) >= 1.5,
         "above_pld_everywhere": bool(vs_pld) and all((r or 0) > 1 for r in vs_pld.values()),
-        "1.25x_dflash_gsm8k_humaneval": all(
-            (ratio(b, "dflash2", "dflash") or 0) >= 1.25 for b in ("gsm8k", "humaneval")
-        ),
+        "1.25x_dflash_gsm8k_humaneval": all((ratio(b, draft, "dflash") or 0) >= 1.25 for b in ("gsm8k", "humaneval")),
     }
 
 
@@ -70,14 +73,17 @@ def build(work: Path, drafters: list[str]) -> dict[str, Any]:
     for name in drafters:
         log, record = work / f"train.{name}.log", work / "runs" / name / ".hydra"
         config = record / "config.yaml"
-        batch_size = int(OmegaConf.load(config).data.batch_size) if config.is_file() else None
-        runs[name] = training(log, batch_size) if log.is_file() else {}
+        data = OmegaConf.load(config).data if config.is_file() else None
+        runs[name] = training(log, int(data.batch_size) if data else None) if log.is_file() else {}
+        if data and "path" in data:  # the file validated on, then the training-only ones
+            runs[name]["data"] = ", ".join([str(data.path), *map(str, data.get("extra_paths") or [])])
         overrides = record / "overrides.yaml"
         if overrides.is_file():
             runs[name]["command"] = "python train.py " + " ".join(
                 line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()
             )
-    return {"setting": SETTING, "tau": table, "training": runs, "goals": goals(table)}
+    dflash2 = [name for name in drafters if name.startswith("dflash2")]
+    return {"setting": SETTING, "tau": table, "training": runs, "goals": {d: goals(table, d) for d in dflash2}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

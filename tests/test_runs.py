@@ -98,6 +98,18 @@ def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path):
     assert resumed.rows == whole.rows[4:]
 
 
+def test_max_time_stops_a_run_at_its_budget_with_a_checkpoint(chats, tmp_path):
+    """trainer.max_time (Lightning's Timer) ends a run long before its max_steps, and the run keeps what it trained:
+    a last checkpoint at the step it stopped, which exports."""
+    from dflash2.checkpoint import draft_from_checkpoint
+
+    run = tmp_path / "run"
+    out = train(config(chats, run, "trainer.max_time=00:00:00:02", "trainer.max_steps=100000", "trainer.max_epochs=-1"))
+    ckpt = torch.load(Path(out["ckpt_path"]), weights_only=True)
+    assert 0 < out["global_step"] < 100000 and ckpt["global_step"] == out["global_step"]
+    draft_from_checkpoint(ckpt)
+
+
 def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_path):
     """With the learning rate at 0, val/tau_sim never improves after the first validation: the best checkpoint stays
     at step 2 while last.ckpt (what a resume and the exporter read) follows every validation, to step 4."""
