@@ -97,7 +97,7 @@ def run_preset(preset: str, args: argparse.Namespace, folder: pathlib.Path) -> d
         }
     overrides = list(args.override)
     result["online"] = timed_steps(preset, target, batch, args, overrides)
-    fs.drop_target_layers(target)  # what train.py does with data.features
+    target.drop_layers()  # train.py with data.features loads none
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -78,7 +78,8 @@ class TargetModel(nn.Module):
         # template never produces: a drafter needs one set explicitly, and `draft.mask_token_id` null takes this one).
         self.name, self.mask_token_id = name, mask_token_id
         self.config = model.config
-        self.num_layers = len(self.layers)
+        # A target loaded without its decoder layers (`load(layers=False)`) keeps its depth in its config.
+        self.num_layers = len(self.layers) or int(self.config.num_hidden_layers)
         self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
         dense_head_weight(model, self.hidden_size)  # refuse a quantized head now, not at the first step
         self.target_layer_ids = [int(i) for i in target_layer_ids or []]
@@ -99,9 +100,9 @@ class TargetModel(nn.Module):
         # transformers replaces hidden_states[-1] by the final-normed output, so the last layer's id is read
         # after the final norm, to keep "id i == hidden_states[i + 1]" exact for every i.
         final = getattr(model.base_model, "norm", None)
-        final = self.layers[-1] if final is None else final
-        for i in sorted(set(self.target_layer_ids)):
-            module = final if i == self.num_layers - 1 else self.layers[i]
+        layers = list(self.layers)  # none when loaded without them: nothing to capture, the forward refuses
+        for i in sorted(set(self.target_layer_ids)) if layers else ():
+            module = (layers[-1] if final is None else final) if i == self.num_layers - 1 else layers[i]
             module.register_forward_hook(self._make_hook(i))
 
     @property
@@ -117,6 +118,11 @@ class TargetModel(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.base_model.layers
+
+    def drop_layers(self) -> None:
+        """Free the decoder layers (their memory, on the device above all): training from a feature cache
+        (data.features) reads only the embedding and head. The forward refuses to run from then on."""
+        self.model.base_model.layers = nn.ModuleList()
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -141,6 +147,7 @@ class TargetModel(nn.Module):
         compile: bool | str | None = False,
         mask_token_id: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        layers: bool = True,
     ) -> TargetModel:
         """Load by hub id, local folder, GGUF file or None (the embedded SmolLM2); what the `model` group builds
         (configs/model/*.yaml, `dflash2.groups.build(cfg.model, target_layer_ids=..., device=...)`).
@@ -148,13 +155,18 @@ class TargetModel(nn.Module):
         `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
         (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).
         `compile`: torch.compile the layers for the training features (`compile_mode`). `chat_template_kwargs`: the
-        chat template's extra arguments the target is chatted with (`dflash2.chat_template`)."""
+        chat template's extra arguments the target is chatted with (`dflash2.chat_template`). `layers=False`: only the
+        embedding, final norm and head are read from the weights, no decoder layer (training from a feature cache,
+        data.features); the forward then refuses to run."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"model.{KWARGS_KEY}")  # before loading
         path, kwargs = target_source(path, gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
+        if layers:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
+        else:
+            model = _without_layers(path, _dtype(dtype, "auto"), kwargs)
         if attn_implementation in (None, GROUPED_SDPA):
             use_grouped_sdpa(model)
         elif attn_implementation != model.config._attn_implementation:
@@ -192,6 +204,10 @@ class TargetModel(nn.Module):
         distillation turns into the target's distributions one chunk of rows at a time, never as [b, L, V]."""
         if final and logits:
             raise ValueError("final=True returns the head's input instead of the logits: call it with logits=False")
+        if not len(self.layers):
+            raise RuntimeError(
+                "the target was loaded without its layers (data.features): its features come from the cache"
+            )
         inputs = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
         )
@@ -368,6 +384,29 @@ def render_probe_chat(tokenizer: Any) -> str:
         {"role": "user", "content": "And `x = 3 * 7` in code?"},
     ]
     return render_chat(tokenizer, messages, generation_prompt=True)
+
+
+def _without_layers(path: str, dtype: Any, kwargs: dict[str, Any]) -> nn.Module:
+    """The causal LM at `path` built with no decoder layer, so that transformers reads none of their weights (they are
+    left unexpected in the files, on purpose); its config then gets the target's depth back, so that the target's
+    identity (`dflash2.manifest.target_identity`) is the one a full load gives."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    depth = {"num_hidden_layers": config.num_hidden_layers}
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer, where the config has them
+        depth["layer_types"] = config.layer_types
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would list every layer's weights as unexpected
+    try:
+        shallow = {key: [] if key == "layer_types" else 0 for key in depth}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **shallow, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    for key, value in depth.items():
+        setattr(model.config, key, value)
+    return model
 
 
 def _dtype(dtype: str | torch.dtype | None, default: Any) -> Any:

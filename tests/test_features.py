@@ -188,11 +188,27 @@ def test_training_runs_validates_and_resumes_from_the_cache_without_the_targets_
     assert resumed["global_step"] == 3
 
 
-def test_dropped_target_layers_refuse_to_run():
-    from dflash2.testing import tiny_target
+def test_a_target_without_its_layers_is_the_target_to_the_drafter_and_refuses_to_run():
+    """load(layers=False), as training from a cache builds it: the same embedding, norm, head, depth and identity as
+    the whole target, no decoder layer in memory, and a forward that refuses; drop_layers frees a loaded one's."""
+    from dflash2.manifest import target_identity
+    from dflash2.target import TargetModel
+    from dflash2.testing import tiny_target, tiny_target_path
 
-    target = tiny_target(target_layer_ids=[1, 2])
-    fs.drop_target_layers(target)
-    assert len(target.layers) == 0 and target.embed_tokens.weight.numel() > 0
-    with pytest.raises(RuntimeError, match="data.features"):
-        target(torch.tensor([[1, 2, 3]]), logits=False)
+    whole = TargetModel.load(tiny_target_path(), name="tiny", target_layer_ids=[1, 2])
+    bare = TargetModel.load(tiny_target_path(), name="tiny", target_layer_ids=[1, 2], layers=False)
+    assert len(bare.layers) == 0 and bare.num_layers == whole.num_layers == whole.config.num_hidden_layers
+    assert target_identity("tiny", bare.config, bare.tokenizer) == target_identity(
+        "tiny", whole.config, whole.tokenizer
+    )
+    kept = {k: v for k, v in whole.model.state_dict().items() if ".layers." not in k}
+    assert bare.model.state_dict().keys() == kept.keys()
+    assert all(torch.equal(bare.model.state_dict()[k], v) for k, v in kept.items())
+    with pytest.raises(ValueError, match="target_layer_ids"):  # still checked against the target's depth
+        TargetModel.load(tiny_target_path(), target_layer_ids=[whole.num_layers], layers=False)
+    dropped = tiny_target(target_layer_ids=[1, 2])
+    dropped.drop_layers()
+    for target in (bare, dropped):
+        assert len(target.layers) == 0 and target.embed_tokens.weight.numel() > 0
+        with pytest.raises(RuntimeError, match="data.features"):
+            target(torch.tensor([[1, 2, 3]]), logits=False)

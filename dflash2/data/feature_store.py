@@ -274,18 +274,6 @@ def cached_output(batch: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Any:
     return TargetOutput(logits=None, hidden=dequantize(batch["features"], batch.get("feature_scales"), dtype))
 
 
-def drop_target_layers(target: Any) -> None:
-    """Free the target's decoder layers (their memory, on the device above all): with data.features training reads
-    only its embedding and head. Its forward refuses to run from then on."""
-    base = target.model.base_model
-    base.layers = torch.nn.ModuleList()
-
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("the target's layers were dropped (data.features): its features come from the cache")
-
-    base.forward = refuse
-
-
 def bytes_per_token(hidden_size: int, layers: int, dtype: str) -> int:
     """Stored bytes per token: n*H values, plus fp8's float32 scale per layer."""
     return layers * hidden_size * 2 if dtype == "bf16" else layers * hidden_size + 4 * layers

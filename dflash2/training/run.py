@@ -166,7 +166,9 @@ def target_and_draft(cfg: DictConfig) -> tuple[Any, DFlash2Config]:
     it. The layers come from a first draft config built on the target's config.json alone (its default layer ids
     depend on the target's depth); the config returned is built on the loaded target, whose modules' sizes win."""
     planned = draft_config(cfg.draft, target_config_fields(cfg.model))
-    target = build(cfg.model, target_layer_ids=list(planned.target_layer_ids))
+    # With data.features the cache replaces the target's layers: only its embedding, norm and head are loaded.
+    layers = not cfg.data.get("features")
+    target = build(cfg.model, target_layer_ids=list(planned.target_layer_ids), layers=layers)
     return target, draft_config(cfg.draft, target_fields(target))
 
 
@@ -229,10 +231,6 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     adopt_warm_start(cfg)
 
     target, draft = target_and_draft(cfg)
-    if cfg.data.get("features"):  # the cache replaces the target's layers: only its embedding and head are used
-        from dflash2.data.feature_store import drop_target_layers
-
-        drop_target_layers(target)
     datamodule = build_data(cfg, target, draft)
     # Read, tokenized and split here, before the logger and its W&B run exist: bad data leaves no run to sync.
     datamodule.prepare_data()
