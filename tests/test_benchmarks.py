@@ -200,6 +200,27 @@ def test_generate_call_small_times_each_cache_and_width(tmp_path):
     assert all(finite_positive(r["seconds"]) and r["ms_per_step"] == 1000 * r["seconds"] / 3 for r in result["calls"])
 
 
+def test_feature_storage_small_measures_each_way_within_its_rounding(tmp_path):
+    out = tmp_path / "feature_storage.json"
+    result = load("feature_storage").main(["--small", "--conversations", "3", "--max-length", "64", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    width = 2 * 64  # the tiny target's two captured layers of 64
+    # name: (bytes per token, the largest rounding error relative to a token's largest value)
+    expected = {
+        "bf16 (dtype=bf16)": (2 * width, 2**-8),
+        "fp8 e4m3, scale per token and layer (dtype=fp8)": (width + 4 * 2, 2**-4),
+        "fp8 e5m2, scale per token and layer": (width + 4 * 2, 2**-3),
+        "int8, scale per token and layer": (width + 4 * 2, 0.5 / 127 * (1 + 1e-6)),
+        "bf16, zlib level 6": (None, 2**-8),
+    }
+    assert [row["storage"] for row in result["storage"]] == list(expected)
+    for row in result["storage"]:
+        size, bound = expected[row["storage"]]
+        assert row["bytes_per_token"] == size or (size is None and 0 < row["bytes_per_token"] < 2 * width + 64)
+        assert all(0 < layer["max_error_over_token_amax"] <= bound for layer in row["layers"]), row
+        assert all(layer["relative_error"] > 0 for layer in row["layers"]), row
+
+
 def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     """A work folder as acceptance.sh leaves it: the T=0 block-16 taus by bench, steps/epochs/minutes, the goals."""
     rng = random.Random(random.randrange(2**63))
