@@ -28,15 +28,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import train_throughput as bench  # noqa: E402
+from timing import sync  # noqa: E402
 
 from dflash2.data import feature_store as fs  # noqa: E402
 from dflash2.data import features as fc  # noqa: E402
 from dflash2.training import drafter  # noqa: E402
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def timed_steps(preset: str, target: Any, batch: dict, args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -78,12 +74,12 @@ def run_preset(preset: str, args: argparse.Namespace, folder: pathlib.Path) -> d
     cached_batches = {}
     for dtype in args.dtype:
         out = folder / f"{preset}-{dtype}"
-        _sync()
+        sync()
         start = time.perf_counter()
         manifest = fc.write_features(
             target, rows, out, fields, dtype=dtype, batch_size=int(cfg.data.batch_size), shard_rows=args.rows
         )
-        _sync()
+        sync()
         seconds = time.perf_counter() - start
         disk = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
         store = fs.FeatureStore(out)

@@ -27,7 +27,7 @@ import torch
 
 from dflash2.chat_template import render_chat
 from dflash2.data.chat import load_conversations
-from dflash2.data.feature_store import bytes_per_token, dequantize, quantize
+from dflash2.data.feature_store import bytes_per_token, dequantize, quantize, scale_tokens
 from dflash2.target import TargetModel
 from dflash2.testing import tiny_target
 
@@ -36,10 +36,9 @@ DATA = ROOT / "artifacts" / "data" / "smollm2_sharegpt_regenerated.jsonl.gz"
 
 
 def scaled(x: torch.Tensor, layers: int, qmax: float, cast: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """x [T, n*H] with a scale per token and layer (amax / qmax), cast, and back: what such a store reads."""
-    x = x.view(len(x), layers, -1)
-    scales = (x.abs().amax(-1, keepdim=True) / qmax).clamp(min=torch.finfo(torch.float32).tiny)
-    return (cast((x / scales).clamp(-qmax, qmax)) * scales).view(len(x), -1)
+    """x [T, n*H] with the cache's scale per token and layer (amax / qmax), cast, and back: what such a store reads."""
+    values, scales = scale_tokens(x, layers, qmax)
+    return (cast(values) * scales[..., None]).flatten(1)
 
 
 def ways(layers: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], float]]:

@@ -26,11 +26,11 @@ import transformers
 from dflash2.data.regenerate import generate
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from decode_step import load_target  # noqa: E402  (a sibling script)
+from decode_step import load_target  # noqa: E402  (sibling scripts)
+from timing import sync  # noqa: E402
 
 
 def timed_call(target: Any, prompts: list[list[int]], steps: int, cache: int, pad_to: int | None) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     sync()
     start = time.perf_counter()
     generate(target, prompts, steps, 0.0, "static", cache, pad_to)

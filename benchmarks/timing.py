@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on a CPU): wall-clock timings need it on both sides."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(fn: Callable[[], object], rep: int = 200) -> float:
     """Per call as Python sees it: launch overhead included, which dominates small shapes without CUDA graphs."""
     from triton.testing import do_bench

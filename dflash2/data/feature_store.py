@@ -174,10 +174,16 @@ def quantize(x: torch.Tensor, dtype: str, layers: int) -> dict[str, torch.Tensor
     each token's layer scaled by amax/448 so that its largest value is e4m3's largest."""
     if dtype == "bf16":
         return {"features": x.to(torch.bfloat16)}
+    values, scales = scale_tokens(x, layers, FP8_MAX)
+    return {"features": values.to(FP8).flatten(1), "scales": scales}
+
+
+def scale_tokens(x: torch.Tensor, layers: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, n*H] -> ([T, n, H] float32 within [-qmax, qmax], [T, n] float32 scales): each token's layer divided by
+    amax/qmax, so that its largest value is the format's largest."""
     x = x.float().view(len(x), layers, -1)
-    scales = (x.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (x / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return {"features": q.view(len(x), -1), "scales": scales}
+    scales = (x.abs().amax(-1) / qmax).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x / scales[..., None]).clamp(-qmax, qmax), scales
 
 
 def dequantize(features: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
