@@ -193,8 +193,9 @@ def test_shortest_first_sizes_each_calls_static_cache_and_writes_the_same_replie
     from dflash2.data.regenerate import CACHE_STEP, cache_length
 
     rng = random.Random()
-    words = [rng.randint(1, 900), rng.randint(1200, 1800)] + rng.sample(range(1, 1800), 4)  # words per prompt:
-    rng.shuffle(words)  # some fit a cache of 1,024, some need 2,048; the input's order is random
+    # Words per prompt: the two shortest (the first call, batch 2) fit a cache of 1,024, the longest needs 2,048.
+    words = [rng.randint(1, 900), rng.randint(1, 900), rng.randint(1200, 1800)] + rng.sample(range(1, 1800), 3)
+    rng.shuffle(words)  # the input's order is random
     text = lambda n: " ".join(rng.choice(["apple", "river", "stone", "cloud"]) for _ in range(n))
     records = [
         {"id": f"c{i}", "conversations": [{"from": "human", "value": text(n)}, {"from": "gpt", "value": "OLD"}]}
@@ -223,10 +224,11 @@ def test_shortest_first_sizes_each_calls_static_cache_and_writes_the_same_replie
                 assert [r["id"] for r in lines] == [f"c{i}" for i in sorted(range(6), key=words.__getitem__)]
                 longest = [n for n, _, _ in calls]
                 assert longest == sorted(longest)  # the prompts come shortest first, so their calls do too
+                # Both sizes are used: the first call is of the two shortest prompts, the last holds the longest.
+                assert {cache for _, _, cache in calls} == {CACHE_STEP, 2 * CACHE_STEP}
             for n, width, cache in calls:
                 assert cache == cache_length(n + 3, 2 * CACHE_STEP) == min(2, -(-(n + 3) // CACHE_STEP)) * CACHE_STEP
                 assert width == cache - 3  # padded to the cache's prompt width: one compiled shape per cache size
-            assert {cache for _, _, cache in calls} == {CACHE_STEP, 2 * CACHE_STEP}
     finally:
         tiny.model.generate = original
     assert outputs[True] == outputs[False]
