@@ -1,12 +1,14 @@
 """The acceptance table against the training-free baseline, from a finished `benchmarks/acceptance.sh` work folder.
 
-    python benchmarks/acceptance_vs_pld.py WORK_DIR [--drafters dflash,dflash2,dflash2_warm]
+    python benchmarks/acceptance_vs_pld.py WORK_DIR [--drafters dflash,dflash2,dflash2_warm] [--from CSV ...]
 
 Reads WORK_DIR/sweeps/summary.csv (every grid run) and each drafter's training log, and writes
 WORK_DIR/acceptance_vs_pld.json: for T=0 and block 16, per bench, {"pld": tau, "<drafter>": tau, ...}; per drafter
 the training command, its data, optimizer steps, conversations seen, epochs and training minutes; and, for each
 DFlash2 drafter (joint, warm start), the goals checked against them (at least 1.5x PLD on gsm8k and above PLD on
-every bench, at least 1.25x DFlash on gsm8k and humaneval).
+every bench, at least 1.25x DFlash on gsm8k and humaneval). `--from` adds the rows of earlier grids' summary.csv
+files for the proposers this grid did not measure (e.g. prompt lookup, whose T=0 runs the greedy text fixes, or a
+drafter trained and measured on the same prompts before); the JSON names them under "from".
 """
 
 from __future__ import annotations
@@ -67,8 +69,19 @@ def goals(table: dict[str, dict[str, float]], draft: str) -> dict[str, Any]:
     }
 
 
-def build(work: Path, drafters: list[str]) -> dict[str, Any]:
-    table = taus(pd.read_csv(work / "sweeps" / "summary.csv"))
+def merged(summary: pd.DataFrame, earlier: list[Path]) -> pd.DataFrame:
+    """The grid's rows, then each earlier summary's rows of the proposers that neither the grid nor a file before it
+    measured (their `draft` column)."""
+    frames = [summary]
+    for path in earlier:
+        rows = pd.read_csv(path)
+        have = set(pd.concat(frames).draft)
+        frames.append(rows[~rows.draft.isin(have)])
+    return pd.concat(frames, ignore_index=True)
+
+
+def build(work: Path, drafters: list[str], earlier: list[Path] | None = None) -> dict[str, Any]:
+    table = taus(merged(pd.read_csv(work / "sweeps" / "summary.csv"), earlier or []))
     runs = {}
     for name in drafters:
         log, record = work / f"train.{name}.log", work / "runs" / name / ".hydra"
@@ -83,15 +96,19 @@ def build(work: Path, drafters: list[str]) -> dict[str, Any]:
                 line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()
             )
     dflash2 = [name for name in drafters if name.startswith("dflash2")]
-    return {"setting": SETTING, "tau": table, "training": runs, "goals": {d: goals(table, d) for d in dflash2}}
+    result = {"setting": SETTING, "tau": table, "training": runs, "goals": {d: goals(table, d) for d in dflash2}}
+    if earlier:
+        result["from"] = [str(path) for path in earlier]
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("work", type=Path)
     parser.add_argument("--drafters", default="dflash,dflash2,dflash2_warm")
+    parser.add_argument("--from", dest="earlier", nargs="*", type=Path, default=[], metavar="CSV")
     args = parser.parse_args(argv)
-    result = build(args.work, [d for d in args.drafters.split(",") if d])
+    result = build(args.work, [d for d in args.drafters.split(",") if d], args.earlier)
     (args.work / "acceptance_vs_pld.json").write_text(json.dumps(result, indent=2) + "\n")
     names = ["pld", *[d for d in args.drafters.split(",") if d]]
     print("bench      " + " ".join(f"{n:>12}" for n in names))

@@ -266,6 +266,30 @@ def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
     assert goals["1.25x_dflash_gsm8k_humaneval"] == all(over)
 
 
+def test_acceptance_vs_pld_takes_the_proposers_it_lacks_from_earlier_grids(tmp_path):
+    """--from: an earlier summary fills only the proposers this grid did not measure, the first file first."""
+    rng = random.Random(random.randrange(2**63))
+    columns = ["bench", "draft", "selector", "temperature", "block_size", "tau"]
+    here, pld, dflash = (rng.uniform(1, 4) for _ in range(3))
+    (tmp_path / "sweeps").mkdir()
+    pd.DataFrame([["gsm8k", "dflash2", "True", 0.0, 16, here]], columns=columns).to_csv(
+        tmp_path / "sweeps" / "summary.csv", index=False
+    )
+    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
+    pd.DataFrame(
+        [["gsm8k", "pld", "", 0.0, 16, pld], ["gsm8k", "dflash2", "True", 0.0, 16, here + 1]], columns=columns
+    ).to_csv(first, index=False)  # its dflash2 row is not this grid's drafter: left out
+    pd.DataFrame(
+        [["gsm8k", "pld", "", 0.0, 16, pld + 1], ["gsm8k", "dflash", "False", 0.0, 16, dflash]], columns=columns
+    ).to_csv(second, index=False)  # its pld row comes after the first file's: left out
+    argv = [str(tmp_path), "--drafters", "dflash,dflash2", "--from", str(first), str(second)]
+    result = load("acceptance_vs_pld").main(argv)
+    assert result["tau"] == {"gsm8k": pytest.approx({"dflash2": here, "pld": pld, "dflash": dflash})}
+    assert result["from"] == [str(first), str(second)]
+    assert result["goals"]["dflash2"]["over_pld"]["gsm8k"] == pytest.approx(here / pld)
+    assert "from" not in load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash2"])
+
+
 def test_target_pass_small_times_each_mode_against_the_first(tmp_path):
     result = load("target_pass").main(["--small", "--reps", "2", "--out", str(tmp_path / "t.json")])
     assert json.loads((tmp_path / "t.json").read_text()) == result
