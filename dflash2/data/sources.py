@@ -1,7 +1,7 @@
 """Extra training prompts from packages and generators, kept apart from every benchmark, for the regenerator.
 
-    python -m dflash2.data.sources                      # the recipe's default mix -> data/prompts/recipe.jsonl
-    python -m dflash2.data.sources sources=[math,codeio] limit.math=1000 output=data/prompts/mine.jsonl
+    python -m dflash2.data.sources                      # the recipe's mix (math, codeio) -> data/prompts/recipe.jsonl
+    python -m dflash2.data.sources sources=[math,codeio,chitchat] limit.math=1000 output=data/prompts/mine.jsonl
     python -m dflash2.data.regenerate input=data/prompts/recipe.jsonl output=data/regenerated/recipe.jsonl
 
 ShareGPT holds little math and code, and a drafter trained on it alone validates far lower on the math and code
@@ -163,7 +163,7 @@ SOURCES: dict[str, Callable[[str | None], list[dict[str, Any]]]] = {
     "codeio_explain": _codeio_explain,
     "chitchat": _chitchat,
 }
-# The recipe's default mix, prompts per source (configs/sources.yaml repeats it): null = all of a data source.
+# Prompts per source when it is named (configs/sources.yaml repeats them): null = all of a data source.
 DEFAULT_LIMITS: dict[str, int | None] = {
     "math": None,
     "codeio": None,
