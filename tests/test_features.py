@@ -149,11 +149,51 @@ def test_a_cache_of_other_settings_is_refused_by_the_setting_that_differs(setup,
         ("draft.target_layer_ids=[1,3]", "draft.target_layer_ids"),
         (f"data.path={other}", "data.path"),
         ("data.limit=10", "data.limit"),
+        (f"data.extra_paths=[{other}]", "data.extra_paths"),  # written for data.path alone
     ]:
         with pytest.raises(ValueError, match=rf"data\.features=.*{setting.replace('.', '[.]')}"):
             checks.check_config(config(chats, run, cache, override))
     with pytest.raises(ValueError, match="objective.distill"):
         checks.check_config(config(chats, run, cache, "objective.distill=0.5"))
+
+
+def test_extra_files_are_cached_after_the_main_files_rows_each_row_with_its_own_features(setup, chats, tmp_path):
+    """`python -m dflash2.data.features` with data.extra_paths: the training and validation rows of the run built
+    from the cache are the online run's, and each finds the target's features of its own tokens (within bf16's
+    rounding); a changed extra file is refused by name."""
+    from hydra import compose, initialize_config_dir
+    from training_setup import ROOT, tiny_overrides
+
+    cfg, target, draft, rows, caches = setup
+    extra = tmp_path / "extra.jsonl"
+    records = [json.loads(line) for line in chats.read_text().splitlines()[:7]]  # 20 + 7 rows: shards of 8 mix them
+    for r in records:  # other ids and other text: a row borrowing another's features shows
+        r["id"] = f"extra-{r['id']}"
+        r["messages"] = [m | {"content": " ".join(reversed(m["content"].split()))} for m in r["messages"]]
+    extra.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run, folder = tmp_path / "run", tmp_path / "cache"
+    argv = tiny_overrides(chats, run, f"data.extra_paths=[{extra}]")
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        written = compose("features", overrides=[*argv, f"output={folder}", "shard_rows=8", "device=cpu"])
+    manifest = fc.run(written)
+    assert manifest["rows"] == len(rows) + len(records) and manifest["extra_paths"] == [str(extra)]
+    online = build_data(config(chats, run, f"data.extra_paths=[{extra}]"), target, draft)
+    cached = build_data_with(config(chats, run, f"data.extra_paths=[{extra}]"), target, draft, folder)
+    for dm in (online, cached):
+        dm.setup()
+    for split in ("train_rows", "val_rows"):
+        assert getattr(cached, split)["id"] == getattr(online, split)["id"]
+    assert sum(rid.startswith("extra-") for rid in cached.train_rows["id"]) == len(records)
+    layers = len(draft.target_layer_ids)
+    for row in [*cached.train_rows, *cached.val_rows]:
+        stored = cached.features.row(row["feature_row"])["features"].float()
+        ids = torch.as_tensor(row["input_ids"][: len(stored)])[None]
+        with torch.no_grad():
+            exact = target(ids, logits=False).hidden[0].float()
+        assert (stored - exact).abs().le(eps_of(exact, "bf16", layers) + 1e-5 * exact.pow(2).mean().sqrt()).all()
+    extra.write_text(extra.read_text().replace("extra-0", "extra-zero"))
+    with pytest.raises(ValueError, match=r"data\.features=.*extra_sha256 \(set by data\.extra_paths"):
+        checks.check_config(config(chats, run, f"data.features={folder}", f"data.extra_paths=[{extra}]"))
 
 
 def test_the_writer_resumes_missing_shards_and_refuses_a_folder_of_other_settings(setup, tmp_path):

@@ -350,7 +350,8 @@ class DFlashDataModule(L.LightningDataModule):
             return
         h = self.hparams
         rows, extras = self._prepared if self._prepared is not None else self._rows()
-        rows = rows if self.features is None else self.features.attach(rows)
+        if self.features is not None:
+            rows, extras = self.features.attach(rows, extras)
         val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)
         # The split is `path`'s alone, so adding training files leaves the validation chats as they were.
         self.train_rows, self.val_rows = split_by_id(rows, val, h.seed)

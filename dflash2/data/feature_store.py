@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ BINDING = {
     "chat_template_kwargs": "data.chat_template_kwargs",
     "target_layer_ids": "draft.target_layer_ids",
     "data_sha256": "data.path (the chat file's content)",
+    "extra_sha256": "data.extra_paths (the training-only chat files' content)",
     "data_limit": "data.limit",
     "max_length": "data.max_length",
     "render_version": "the chat rendering of this dflash2 version",
@@ -87,10 +88,11 @@ def binding(model_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], layer_ids
     identity = target_identity(model_cfg.get("name"), AutoConfig.from_pretrained(path, **kwargs), tokenizer)
     data_path = data_cfg.get("path")
     data_file = Path(sharegpt_path() if data_path is None else data_path).expanduser().absolute()
+    extras = [Path(p).expanduser().absolute() for p in data_cfg.get("extra_paths") or ()]
     template_kwargs = data_cfg.get("chat_template_kwargs") or {}
     if OmegaConf.is_config(template_kwargs):
         template_kwargs = OmegaConf.to_container(template_kwargs, resolve=True)
-    return {
+    out = {
         "target": model_cfg.get("name"),
         "target_config_hash": identity["target_config_hash"],
         "weights_hash": weights_hash(folder),
@@ -105,6 +107,10 @@ def binding(model_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], layer_ids
         "max_length": int(data_cfg.get("max_length")),
         "render_version": RENDER_VERSION,
     }
+    if extras:  # absent without them: a cache of data.path alone binds as it did before they could be cached
+        out["extra_paths"] = [str(p) for p in extras]
+        out["extra_sha256"] = [file_sha256(p) for p in extras]
+    return out
 
 
 def read_manifest(folder: str | Path, setting: str = "data.features") -> dict[str, Any]:
@@ -134,6 +140,8 @@ def differences(manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> lis
 
 
 def _short(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_short(v) for v in value]
     return value[:12] if isinstance(value, str) and len(value) == 64 else value  # a sha256: its first 12 digits
 
 
@@ -141,11 +149,6 @@ def check_cache(cfg: Mapping[str, Any], layer_ids: list[int]) -> dict[str, Any]:
     """Refuse `data.features` when it does not fit the run (`train.py`'s check, before any weights load): the cache
     must exist, be complete and have been written for this target, these layers, this template and this data."""
     folder = cfg["data"]["features"]
-    if cfg["data"].get("extra_paths"):
-        raise ValueError(
-            f"data.features={folder} covers data.path only; data.extra_paths is not cached: merge the files into "
-            "data.path (and write the cache for it), or drop data.features"
-        )
     if float(cfg["objective"].get("distill") or 0) > 0:
         raise ValueError(
             f"data.features={folder} holds the captured layers, not the target's final hidden states that "
@@ -241,15 +244,22 @@ class FeatureStore:
             out["feature_scales"] = handle.get_slice("scales")[offsets[j] : offsets[j + 1]]
         return out
 
-    def attach(self, rows: Any) -> Any:
-        """The data module's tokenized rows with a `feature_row` column (their index here), once their count is
-        the cache's; run before the split, so that training and validation rows both find their features."""
-        if len(rows) != self.rows:
+    def attach(self, rows: Any, extras: Sequence[Any] = ()) -> tuple[Any, list[Any]]:
+        """The data module's tokenized rows of data.path and of each data.extra_paths file, each with a
+        `feature_row` column (their index here: data.path's rows first, then each file's, as written), once their
+        count is the cache's; run before the split, so that training and validation rows both find their features."""
+        parts = [rows, *extras]
+        total = sum(len(part) for part in parts)
+        if total != self.rows:
             raise ValueError(
-                f"data.features={self.folder} holds {self.rows} rows and the data has {len(rows)}: it was written "
+                f"data.features={self.folder} holds {self.rows} rows and the data has {total}: it was written "
                 "for other data; write the cache again for this run"
             )
-        return rows.add_column("feature_row", list(range(len(rows))))
+        out, start = [], 0
+        for part in parts:
+            out.append(part.add_column("feature_row", list(range(start, start + len(part)))))
+            start += len(part)
+        return out[0], out[1:]
 
 
 def truncate(row: dict[str, torch.Tensor], cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

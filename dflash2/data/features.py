@@ -4,16 +4,16 @@
     python train.py <the same settings> data.features=DIR
 
 The command renders the chats exactly as training does (the data group's DFlashDataModule), runs the target over
-them once and writes, for every row, the captured layers (`draft.target_layer_ids`, concatenated as
-`TargetOutput.hidden`) at every position up to the row's last trained token: a block's context is its whole prefix,
-and nothing after the last trained token is ever read. Rows go into shards of `shard_rows` rows,
-`shard-00000.safetensors`, ... (tensors `features` [tokens, n*H], `offsets` [rows + 1] and, for fp8, `scales`
-[tokens, n]); training memory-maps them (safetensors' `safe_open`, one row's slice per fetch). Each shard is written
-to a temporary file and renamed into place, so a killed run leaves whole shards only, and a rerun of the same
-command writes just the missing ones. `manifest.json` (written first) binds the folder to what produced it: the
-target (its config, vocabulary, chat template and a hash of its weight files), the layers, the data file's hash, its
-`limit`, `data.max_length` and the rendering version; `train.py` refuses a cache whose binding differs from the run's,
-naming the setting, before any weights load.
+them once and writes, for every row (data.path's, then each `data.extra_paths` file's), the captured layers
+(`draft.target_layer_ids`, concatenated as `TargetOutput.hidden`) at every position up to the row's last trained
+token: a block's context is its whole prefix, and nothing after the last trained token is ever read. Rows go into
+shards of `shard_rows` rows, `shard-00000.safetensors`, ... (tensors `features` [tokens, n*H], `offsets` [rows + 1]
+and, for fp8, `scales` [tokens, n]); training memory-maps them (safetensors' `safe_open`, one row's slice per
+fetch). Each shard is written to a temporary file and renamed into place, so a killed run leaves whole shards only,
+and a rerun of the same command writes just the missing ones. `manifest.json` (written first) binds the folder to
+what produced it: the target (its config, vocabulary, chat template and a hash of its weight files), the layers, the
+data files' hashes, `data.limit`, `data.max_length` and the rendering version; `train.py` refuses a cache whose
+binding differs from the run's, naming the setting, before any weights load.
 
 Storage (`dtype`): bf16 (2 bytes per value; the features' relative rounding 2^-8) or fp8 (float8 e4m3 with one
 float32 scale per token and layer, amax/448: 1 byte per value plus 4 per layer; relative rounding 2^-4). fp8 e5m2,
@@ -149,9 +149,11 @@ def run(cfg: Any) -> dict[str, Any]:
         cfg.data.features = None  # the rows themselves: the data module must not read a cache here
     target, draft = target_and_draft(cfg)
     target.to(resolve_device(cfg.device))
-    rows, _ = build_data(cfg, target, draft)._rows()
-    if cfg.data.get("extra_paths"):
-        log.warning("data.extra_paths are not cached: only data.path's rows are written")
+    rows, extras = build_data(cfg, target, draft)._rows()
+    if extras:  # data.path's rows first, then each file's: the order FeatureStore.attach numbers them in
+        import datasets
+
+        rows = datasets.concatenate_datasets([rows, *extras])
     fields = binding(cfg.model, cfg.data, list(draft.target_layer_ids))
     manifest = write_features(
         target, rows, cfg.output, fields, dtype=cfg.dtype, batch_size=cfg.batch_size, shard_rows=cfg.shard_rows
