@@ -10,7 +10,8 @@
 #
 #   bash benchmarks/ablation.sh WORK_DIR            # e.g. ~/ablation; rerun to resume
 #
-# Env: EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated; validation stays ShareGPT's),
+# Env: EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated; validation stays ShareGPT's;
+# unset = the experiment's, the math and CodeI/O replies of artifacts/data/; none = ShareGPT alone),
 # DFLASH_EXPORT (the DFlash export the `warm` variant starts from; `export.py check` vets it first), STEPS (the baseline's optimizer steps, 300; a variant with another data.batch_size takes the steps that see as
 # many conversations), VAL (validate and checkpoint every VAL baseline steps, 75), JOBS (runs sharing
 # the GPU, 4), VARIANTS (comma-separated names, default all; see `python benchmarks/ablation.py variants`), BENCHES
@@ -34,7 +35,8 @@ if [ -n "${CHECK_ONLY:-}" ]; then
   eval_args=(temperature=0 block_size=16 bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi
 train_args+=(data.path="$DATA" data.cache_dir="$CACHE")
-if [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
+if [ "${EXTRA_DATA:-}" = none ]; then train_args+=("data.extra_paths=[]")
+elif [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
 mkdir -p "$W/exports" "$W/sweeps" && rm -f "$W/failed"
 log() { echo "[$(date +%T)] $*"; }
 descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do descendants "$c"; echo "$c"; done; }

@@ -18,7 +18,9 @@
 # gsm8k,humaneval,math500,sharegpt;mbpp,mtbench,alpaca), DRAFTERS (the drafters trained, swept and timed, default
 # dflash,dflash2,dflash2_warm; the warm start trains dflash too, its init), CHECK_ONLY=1 (tiny sizes for a CPU
 # rehearsal of the plumbing), EXTRA_DATA (chat files trained on besides the regenerated ShareGPT, ','-separated, e.g.
-# the regenerated replies to `python -m dflash2.data.sources` prompts; validation stays ShareGPT's), DFLASH_EXPORT (a
+# the regenerated replies to `python -m dflash2.data.sources` prompts; validation stays ShareGPT's; unset = the
+# experiment's, the math and CodeI/O replies kept in artifacts/data/; none = ShareGPT alone), TRAIN_ARGS (more
+# train.py overrides for every drafter, space-separated, e.g. objective.position_weights=decay), DFLASH_EXPORT (a
 # DFlash export the warm start loads instead of training DFlash here, e.g. the one kept in
 # artifacts/drafters/smollm2-dflash; `export.py check` runs on it before anything else),
 # PLD=0 (the grid without prompt lookup's sweeps, which are measured once for every drafter: at T=0 the greedy text
@@ -32,9 +34,8 @@
 # of the packaged ShareGPT outside the sharegpt benchmark's records, in four files) instead of regenerating it:
 #   mkdir -p WORK_DIR && gunzip -c artifacts/data/smollm2_sharegpt_regenerated{,_part2,_part3,_part4}.jsonl.gz \
 #     > WORK_DIR/smollm2.jsonl && touch WORK_DIR/regenerate.done
-# and the 7,413 math and CodeI/O replies regenerated on 2026-12-03 (BENCHMARKS.md: at equal steps they lift the math
-# and code benches by 0.24-1.41 tau and cost the chat benches 0.06-0.33), trained on with EXTRA_DATA=WORK_DIR/math_codeio.jsonl:
-#   gunzip -c artifacts/data/smollm2_math_codeio_regenerated.jsonl.gz > WORK_DIR/math_codeio.jsonl
+# The experiment trains on the 7,413 math and CodeI/O replies of artifacts/data/ besides (BENCHMARKS.md, "Training data
+# at one budget": they lift the math and code benches by 0.24-1.41 tau and cost the chat benches 0.06-0.33).
 # Each bench's prompts load before anything else starts: without PyPI, copy ~/.cache/dflash2/bench in first.
 # Regenerate before training, never beside it: on one H200 the two trainings and a batch-512 regeneration do not fit.
 set -euo pipefail
@@ -48,7 +49,9 @@ mkdir -p "$W" && rm -f "$W/failed"
 regen_args=(model.dtype=bfloat16 cache_implementation=static batch_size=512)
 DRAFTERS=${DRAFTERS:-dflash,dflash2,dflash2_warm}
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false)
-if [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
+if [ "${EXTRA_DATA:-}" = none ]; then train_args+=("data.extra_paths=[]")
+elif [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
+if [ -n "${TRAIN_ARGS:-}" ]; then read -ra more <<< "$TRAIN_ARGS" && train_args+=("${more[@]}"); fi
 eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then
   regen_args=(max_new_tokens=8 batch_size=8) STEPS=4 VAL=2 LIMIT=${LIMIT_CHECK:-48}

@@ -109,7 +109,7 @@ def measure(args: argparse.Namespace, work: pathlib.Path, steps: int, warmup: in
         if not args.data:
             parser.error("--data is required (a chat JSONL, e.g. from python -m dflash2.data.regenerate)")
         data = pathlib.Path(args.data).resolve()
-        base = ["experiment=gpu_smollm2"]
+        base = ["experiment=gpu_smollm2", "data.extra_paths=[]"]  # the data given, alone
         single_trainer = ["trainer=gpu"]
         ddp_trainer = ["trainer=ddp"]
     common = [

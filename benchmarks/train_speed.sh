@@ -23,7 +23,7 @@ log() { echo "[$(date +%T)] $*"; }
 train() {  # train NAME overrides...: experiment=gpu_smollm2 on the regenerated set; its log (recompiles included)
   local name=$1
   shift
-  TORCH_LOGS=recompiles python train.py experiment=gpu_smollm2 data.path="$W/smollm2.jsonl" logger=csv \
+  TORCH_LOGS=recompiles python train.py experiment=gpu_smollm2 data.path="$W/smollm2.jsonl" data.extra_paths=[] logger=csv \
     trainer.enable_progress_bar=false run_dir="$W/runs/$name" data.cache_dir="$W/cache_$name" "$@" > "$W/train_$name.log" 2>&1
   find "$W/runs/$name" -name metrics.csv -exec cp {} "$OUT/curve_$name.csv" \;
   cp "$W/runs/$name/train.log" "$OUT/train_$name.log" 2>/dev/null || true

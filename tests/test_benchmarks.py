@@ -448,7 +448,7 @@ def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(c
 
     ablation = load("ablation")
     register_resolvers()
-    common = ["experiment=gpu_smollm2", f"data.path={chats}", "run_dir=unused"]
+    common = ["experiment=gpu_smollm2", f"data.path={chats}", "data.extra_paths=[]", "run_dir=unused"]
     with initialize_config_dir(config_dir=str(BENCHMARKS.parent / "configs"), version_base="1.3"):
         # The warm variant's export is ablation.sh's DFLASH_EXPORT: here the shipped DFlash drafter.
         export = str(BENCHMARKS.parent / "artifacts" / "drafters" / "smollm2-dflash")
