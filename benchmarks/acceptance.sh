@@ -24,8 +24,8 @@
 # DFlash export the warm start loads instead of training DFlash here, e.g. the one kept in
 # artifacts/drafters/smollm2-dflash; `export.py check` runs on it before anything else),
 # PLD=0 (the grid without prompt lookup's sweeps, which are measured once for every drafter: at T=0 the greedy text
-# fixes them), FROM (earlier grids' summary.csv files, ','-separated, whose rows fill the proposers this grid did not
-# measure in acceptance_vs_pld.json, e.g. prompt lookup's with PLD=0), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the grid or later,
+# fixes them), FROM (earlier grids' summary.csv files or work folders, ','-separated, whose rows and training logs
+# fill the proposers this grid did not measure in acceptance_vs_pld.json, e.g. prompt lookup's with PLD=0), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the grid or later,
 # it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the

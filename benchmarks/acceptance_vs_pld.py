@@ -6,9 +6,10 @@ Reads WORK_DIR/sweeps/summary.csv (every grid run) and each drafter's training l
 WORK_DIR/acceptance_vs_pld.json: for T=0 and block 16, per bench, {"pld": tau, "<drafter>": tau, ...}; per drafter
 the training command, its data, optimizer steps, conversations seen, epochs and training minutes; and, for each
 DFlash2 drafter (joint, warm start), the goals checked against them (at least 1.5x PLD on gsm8k and above PLD on
-every bench, at least 1.25x DFlash on gsm8k and humaneval). `--from` adds the rows of earlier grids' summary.csv
-files for the proposers this grid did not measure (e.g. prompt lookup, whose T=0 runs the greedy text fixes, or a
-drafter trained and measured on the same prompts before); the JSON names them under "from".
+every bench, at least 1.25x DFlash on gsm8k and humaneval). `--from` adds the rows of earlier grids for the proposers
+this grid did not measure (e.g. prompt lookup, whose T=0 runs the greedy text fixes, or a drafter trained and
+measured on the same prompts before), each given as its summary.csv or as its acceptance.sh work folder, whose
+training logs then also give those drafters' training records; the JSON names them under "from".
 """
 
 from __future__ import annotations
@@ -69,32 +70,46 @@ def goals(table: dict[str, dict[str, float]], draft: str) -> dict[str, Any]:
     }
 
 
+def summary_of(path: Path) -> Path:
+    """An earlier grid's summary.csv: the file given, or the one in the work folder given."""
+    return path / "sweeps" / "summary.csv" if path.is_dir() else path
+
+
 def merged(summary: pd.DataFrame, earlier: list[Path]) -> pd.DataFrame:
     """The grid's rows, then each earlier summary's rows of the proposers that neither the grid nor a file before it
     measured (their `draft` column)."""
     frames = [summary]
     for path in earlier:
-        rows = pd.read_csv(path)
+        rows = pd.read_csv(summary_of(path))
         have = set(pd.concat(frames).draft)
         frames.append(rows[~rows.draft.isin(have)])
     return pd.concat(frames, ignore_index=True)
 
 
+def record(work: Path, name: str) -> dict[str, Any]:
+    """A drafter's training record from a work folder: its log's figures, its data and its train.py command."""
+    log, hydra = work / f"train.{name}.log", work / "runs" / name / ".hydra"
+    config = hydra / "config.yaml"
+    data = OmegaConf.load(config).data if config.is_file() else None
+    out = training(log, int(data.batch_size) if data else None) if log.is_file() else {}
+    if data and "path" in data:  # the file validated on, then the training-only ones
+        out["data"] = ", ".join([str(data.path), *map(str, data.get("extra_paths") or [])])
+    overrides = hydra / "overrides.yaml"
+    if overrides.is_file():
+        out["command"] = "python train.py " + " ".join(
+            line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()
+        )
+    return out
+
+
 def build(work: Path, drafters: list[str], earlier: list[Path] | None = None) -> dict[str, Any]:
-    table = taus(merged(pd.read_csv(work / "sweeps" / "summary.csv"), earlier or []))
+    earlier = earlier or []
+    table = taus(merged(pd.read_csv(work / "sweeps" / "summary.csv"), earlier))
+    folders = [work, *(path for path in earlier if path.is_dir())]
     runs = {}
-    for name in drafters:
-        log, record = work / f"train.{name}.log", work / "runs" / name / ".hydra"
-        config = record / "config.yaml"
-        data = OmegaConf.load(config).data if config.is_file() else None
-        runs[name] = training(log, int(data.batch_size) if data else None) if log.is_file() else {}
-        if data and "path" in data:  # the file validated on, then the training-only ones
-            runs[name]["data"] = ", ".join([str(data.path), *map(str, data.get("extra_paths") or [])])
-        overrides = record / "overrides.yaml"
-        if overrides.is_file():
-            runs[name]["command"] = "python train.py " + " ".join(
-                line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()
-            )
+    for name in drafters:  # from the first folder that trained it
+        home = next((f for f in folders if (f / f"train.{name}.log").is_file()), work)
+        runs[name] = record(home, name)
     dflash2 = [name for name in drafters if name.startswith("dflash2")]
     result = {"setting": SETTING, "tau": table, "training": runs, "goals": {d: goals(table, d) for d in dflash2}}
     if earlier:
@@ -106,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("work", type=Path)
     parser.add_argument("--drafters", default="dflash,dflash2,dflash2_warm")
-    parser.add_argument("--from", dest="earlier", nargs="*", type=Path, default=[], metavar="CSV")
+    parser.add_argument("--from", dest="earlier", nargs="*", type=Path, default=[], metavar="CSV_OR_WORK_DIR")
     args = parser.parse_args(argv)
     result = build(args.work, [d for d in args.drafters.split(",") if d], args.earlier)
     (args.work / "acceptance_vs_pld.json").write_text(json.dumps(result, indent=2) + "\n")

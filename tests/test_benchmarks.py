@@ -288,6 +288,15 @@ def test_acceptance_vs_pld_takes_the_proposers_it_lacks_from_earlier_grids(tmp_p
     assert result["from"] == [str(first), str(second)]
     assert result["goals"]["dflash2"]["over_pld"]["gsm8k"] == pytest.approx(here / pld)
     assert "from" not in load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash2"])
+    # An earlier work folder: its grid's rows and the training record of the drafter it trained.
+    folder = tmp_path / "earlier"
+    (folder / "sweeps").mkdir(parents=True)
+    second.rename(folder / "sweeps" / "summary.csv")
+    steps = rng.randint(100, 5000)
+    (folder / "train.dflash.log").write_text(f"steps       {steps} in 19.5 min\n")
+    result = load("acceptance_vs_pld").main([*argv[:-1], str(folder)])
+    assert result["tau"]["gsm8k"]["dflash"] == pytest.approx(dflash) and result["from"][-1] == str(folder)
+    assert result["training"]["dflash"]["steps"] == steps and result["training"]["dflash"]["minutes"] == 19.5
 
 
 def test_target_pass_small_times_each_mode_against_the_first(tmp_path):
