@@ -25,8 +25,11 @@
 # artifacts/drafters/smollm2-dflash; `export.py check` runs on it before anything else),
 # PLD=0 (the grid without prompt lookup's sweeps, which are measured once for every drafter: at T=0 the greedy text
 # fixes them), FROM (earlier grids' summary.csv files or work folders, ','-separated, whose rows and training logs
-# fill the proposers this grid did not measure in acceptance_vs_pld.json, e.g. prompt lookup's with PLD=0), UNTIL=<stage> (stop after that stage: regenerate, train, grid, speed; stopped after the grid or later,
-# it still writes the summaries and JSON).
+# fill the proposers this grid did not measure in acceptance_vs_pld.json, e.g. prompt lookup's with PLD=0),
+# FEATURES=fp8|bf16 (write the target's features of the training data once, a `features` stage, and train every
+# drafter from them, the target's layers never running in training; fp8 takes 1,160 bytes a position, 28.4 GB for
+# the ShareGPT set alone), UNTIL=<stage> (stop after that stage: regenerate, features, train, grid, speed; stopped
+# after the grid or later, it still writes the summaries and JSON).
 # Each finished stage leaves WORK_DIR/<stage>.done, so a rerun skips it; the regeneration, the trained drafters and
 # the finished evaluations are kept within a stage too. Tokens/s of the grid are measured with JOBS runs sharing the
 # GPUs; the speed stage measures them alone.
@@ -113,7 +116,8 @@ if [ -n "${BUDGET:-}" ]; then schedule+=(trainer.max_time="00:$(printf '%02d:%02
 train() {  # train NAME GPU OVERRIDES...: train, export and check; a drafter already checked is kept
   [ -f "$W/exports/$1.checked" ] && return 0
   if ! { on "$2" python train.py "${train_args[@]}" data.path="$DATA" run_dir="$W/runs/$1" task_name="acceptance_$1" \
-      "${schedule[@]}" data.cache_dir="$W/data_cache/$1" "${@:3}" > "$W/train.$1.log" 2>&1 &&
+      "${schedule[@]}" data.cache_dir="$W/data_cache/$1" ${FEATURES:+data.features="$W/features"} "${@:3}" \
+      > "$W/train.$1.log" 2>&1 &&
     export_checked "$W/runs/$1" "$W/exports/$1" "$W/export.$1.log"; }; then
     fail "to train $1: see $W/train.$1.log and $W/export.$1.log"
     return 1
@@ -154,6 +158,12 @@ if [ -n "${DFLASH_EXPORT:-}" ] && [ ! -f "$W/exports/dflash.checked" ]; then  # 
     { log "FAILED: DFLASH_EXPORT=$DFLASH_EXPORT does not pass export.py check (see $W/export.dflash.log)"; exit 1; }
 fi
 if stage regenerate; then regenerate; done_ regenerate; fi
+FEATURES=${FEATURES:-}
+if [ -n "$FEATURES" ] && stage features; then  # the drafters all read the experiment's layers: one cache serves them
+  python -m dflash2.data.features "${train_args[@]}" data.path="$DATA" output="$W/features" dtype="$FEATURES" \
+    > "$W/features.log" 2>&1 || { log "FAILED to write the features: see $W/features.log"; exit 1; }
+  done_ features
+fi
 if stage train; then
   # Two trainings share a GPU well: each alone leaves it mostly idle (BENCHMARKS.md, training throughput).
   # The warm start follows DFlash on its GPU; beside the grid's evaluations it trained 4 times slower.
