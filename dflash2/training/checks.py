@@ -80,8 +80,10 @@ def check_config(cfg: DictConfig) -> None:
     for extra in cfg.data.get("extra_paths") or ():
         if not Path(extra).expanduser().is_file():
             raise FileNotFoundError(
-                f"data.extra_paths: {extra!r} does not exist; list JSON/JSONL files of chats, e.g. "
-                "data.extra_paths=[data/regenerated/math_codeio.jsonl]"
+                f"data.extra_paths: {extra!r} does not exist; list JSON/JSONL files of chats, or data.extra_paths=[] "
+                "for data.path alone. The recipe's math and code replies are made with `python -m "
+                "dflash2.data.sources`, then `python -m dflash2.data.regenerate model=<this run's> "
+                f"input=data/prompts/recipe.jsonl output={extra}`"
             )
     check_module_knobs(cfg.module, cfg.trainer.get("strategy"))
     check_fsdp_device(cfg.trainer)
