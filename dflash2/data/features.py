@@ -27,7 +27,6 @@ Qwen3-8B's five by five), but `fc` would then be frozen, which only the heads-on
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -48,8 +47,6 @@ from dflash2.data.feature_store import (
     shard_name,
 )
 from dflash2.downloads import write_atomic
-
-log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- writing
