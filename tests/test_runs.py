@@ -6,6 +6,7 @@ import copy
 import itertools
 import logging
 import os
+import random
 import subprocess
 import sys
 import time
@@ -185,6 +186,27 @@ def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
     cfg = config(chats, tmp_path / "run", "trainer.max_steps=2", "trainer.precision=bf16-mixed", "validate_first=false")
     assert cfg.trainer.gradient_clip_val > 0 and cfg.optim.fused is None
     assert train(cfg)["global_step"] == 2
+
+
+def test_a_fused_adamw_under_bf16_mixed_clips_as_the_foreach_one(chats, tmp_path):
+    """optim.fused=true under bf16-mixed, where Lightning's plugin would refuse to clip: the module clips by norm, and
+    three steps end on the foreach step's weights; with no clipping they end elsewhere, so the clip acted."""
+    from dflash2.checkpoint import load_checkpoint
+
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+
+    def weights(name: str, *overrides: str) -> dict[str, torch.Tensor]:
+        cfg = config(chats, tmp_path / name, "trainer.max_steps=3", "trainer.precision=bf16-mixed", f"seed={seed}",
+                     "validate_first=false", "trainer.gradient_clip_val=0.05", *overrides)  # fmt: skip
+        return load_checkpoint(train(cfg)["ckpt_path"])["state_dict"]
+
+    fused, foreach = weights("fused", "optim.fused=true"), weights("foreach", "optim.fused=false")
+    unclipped = weights("unclipped", "optim.fused=true", "trainer.gradient_clip_val=null")
+    assert fused.keys() == foreach.keys()
+    for name, w in fused.items():
+        torch.testing.assert_close(w, foreach[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.allclose(w, unclipped[name], rtol=1e-4, atol=1e-5) for name, w in fused.items())
 
 
 class TokenProbe(Callback):

@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.profiler import record_function
 from torchmetrics import Metric
 
@@ -304,6 +305,21 @@ class DFlash2Module(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         total = int(self.trainer.estimated_stepping_batches)
         return self.optim.build(self.draft.named_parameters(), self.trainer.precision, total)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
+    ) -> None:
+        # Lightning's mixed-precision plugin refuses to clip for a fused optimizer, because under fp16 its gradient
+        # scaler leaves the gradients scaled until that optimizer's step. bf16-mixed has no scaler: the gradients are
+        # the true ones here, so `optim.fused=true` clips by norm as the foreach step does.
+        plugin = self.trainer.precision_plugin
+        mixed = type(plugin) is MixedPrecision and plugin.scaler is None  # FSDP's plugin clips across its shards
+        fused_bf16 = mixed and getattr(optimizer, "_step_supports_amp_scaling", False)
+        if gradient_clip_val and fused_bf16 and str(gradient_clip_algorithm or "norm") == "norm":
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -70,7 +70,7 @@ class Optim:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_ratio: float = 0.04  # of the run's optimizer steps
-    fused: bool | None = None  # None = one fused AdamW kernel, except under *-mixed precision
+    fused: bool | None = None  # None = one fused AdamW kernel, except under *-mixed precision (true: there too)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -91,7 +91,8 @@ class Optim:
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # The fused step is one kernel over all tensors (CPU too): several times faster than the loop over them. But
         # under *-mixed precision Lightning refuses to clip the gradients of an optimizer that could unscale them
-        # itself, so there the default is the multi-tensor (foreach) step.
+        # itself, so there the default is the multi-tensor (foreach) step; under bf16-mixed, which scales nothing,
+        # optim.fused=true clips in DFlash2Module.configure_gradient_clipping instead.
         fused = not str(precision).endswith("-mixed") if self.fused is None else self.fused
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
         scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(self.warmup_ratio * total_steps), total_steps)
