@@ -35,8 +35,7 @@ if [ -n "${CHECK_ONLY:-}" ]; then
   eval_args=(temperature=0 block_size=16 bench.limit=2 batch_size=2 wandb.enabled=false max_new_tokens=8 device=cpu)
 fi
 train_args+=(data.path="$DATA" data.cache_dir="$CACHE")
-if [ "${EXTRA_DATA:-}" = none ]; then train_args+=("data.extra_paths=[]")
-elif [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
+if extra=$(extra_data_arg) && [ -n "$extra" ]; then train_args+=("$extra"); fi
 mkdir -p "$W/exports" "$W/sweeps" && rm -f "$W/failed"
 log() { echo "[$(date +%T)] $*"; }
 descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do descendants "$c"; echo "$c"; done; }

@@ -52,8 +52,7 @@ mkdir -p "$W" && rm -f "$W/failed"
 regen_args=(model.dtype=bfloat16 cache_implementation=static batch_size=512)
 DRAFTERS=${DRAFTERS:-dflash,dflash2,dflash2_warm}
 train_args=(experiment=gpu_smollm2 logger=csv trainer.enable_progress_bar=false)
-if [ "${EXTRA_DATA:-}" = none ]; then train_args+=("data.extra_paths=[]")
-elif [ -n "${EXTRA_DATA:-}" ]; then train_args+=("data.extra_paths=[${EXTRA_DATA}]"); fi
+if extra=$(extra_data_arg) && [ -n "$extra" ]; then train_args+=("$extra"); fi
 if [ -n "${TRAIN_ARGS:-}" ]; then read -ra more <<< "$TRAIN_ARGS" && train_args+=("${more[@]}"); fi
 eval_args=(bench.limit=100 batch_size=100 wandb.enabled=false)
 if [ -n "${CHECK_ONLY:-}" ]; then

@@ -78,11 +78,11 @@ def summary_of(path: Path) -> Path:
 def merged(summary: pd.DataFrame, earlier: list[Path]) -> pd.DataFrame:
     """The grid's rows, then each earlier summary's rows of the proposers that neither the grid nor a file before it
     measured (their `draft` column)."""
-    frames = [summary]
+    frames, have = [summary], set(summary.draft)
     for path in earlier:
         rows = pd.read_csv(summary_of(path))
-        have = set(pd.concat(frames).draft)
         frames.append(rows[~rows.draft.isin(have)])
+        have |= set(rows.draft)
     return pd.concat(frames, ignore_index=True)
 
 

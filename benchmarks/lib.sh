@@ -14,3 +14,10 @@ check_benches() {
   python -c "import sys; from dflash2.bench import load_prompts; [load_prompts(b, limit=1) for b in sys.argv[1:]]" \
     ${1//[,;]/ }
 }
+
+# extra_data_arg: EXTRA_DATA as train.py's override (unset: nothing, the experiment's own data.extra_paths; none: [],
+# data.path alone; else its ','-separated files).
+extra_data_arg() {
+  if [ "${EXTRA_DATA:-}" = none ]; then echo "data.extra_paths=[]"
+  elif [ -n "${EXTRA_DATA:-}" ]; then echo "data.extra_paths=[${EXTRA_DATA}]"; fi
+}

@@ -12,7 +12,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.profiler import record_function
 from torchmetrics import Metric
 
@@ -311,13 +312,12 @@ class DFlash2Module(L.LightningModule):
     ) -> None:
         # Lightning's mixed-precision plugin refuses to clip for a fused optimizer, because under fp16 its gradient
         # scaler leaves the gradients scaled until that optimizer's step. bf16-mixed has no scaler: the gradients are
-        # the true ones here, so `optim.fused=true` clips by norm as the foreach step does.
+        # the true ones here, so `optim.fused=true` clips through the plugin's base clipping, as a fp32 run does.
         plugin = self.trainer.precision_plugin
         mixed = type(plugin) is MixedPrecision and plugin.scaler is None  # FSDP's plugin clips across its shards
-        fused_bf16 = mixed and getattr(optimizer, "_step_supports_amp_scaling", False)
-        if gradient_clip_val and fused_bf16 and str(gradient_clip_algorithm or "norm") == "norm":
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        if gradient_clip_val and mixed and getattr(optimizer, "_step_supports_amp_scaling", False):
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
