@@ -274,3 +274,68 @@ def test_regenerate_marks_replies_cut_by_max_new_tokens(tiny, tmp_path, monkeypa
         closing = max(i for i, t in enumerate(row["input_ids"]) if t == end_of_turn)  # after the last reply
         assert row["loss_mask"][closing - 1] == 1  # the reply's own last token is trained either way
         assert row["loss_mask"][closing] == (rid == "c0")
+
+
+def test_the_recipe_command_writes_prompts_and_both_answer_files_and_resumes(tmp_path):
+    """`python -m dflash2.data.recipe` on the tiny target: the prompts file, then the chats' and the prompts' replies
+    by one target load, each output what `regenerate` writes; a rerun rewrites the prompts unchanged and adds nothing.
+    Two outputs on one file, or a missing input, are refused before anything is written."""
+    import os
+    import subprocess
+    import sys
+
+    write_sharegpt(tmp_path / "chats.json")
+    files = {k: tmp_path / f"{k}.jsonl" for k in ("prompts", "output", "extra")}
+    cmd = [sys.executable, "-m", "dflash2.data.recipe", "model=tiny", f"model.path={tiny_target_path()}"]
+    cmd += [f"input={tmp_path / 'chats.json'}", "max_new_tokens=3", "prompts.sources=[math]", "prompts.limit.math=3"]
+    cmd += [f"prompts.output={files['prompts']}", f"output={files['output']}", f"extra_output={files['extra']}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def recipe(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cmd, *extra], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    proc = recipe()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    prompts = [json.loads(line) for line in files["prompts"].read_text().splitlines()]
+    assert len(prompts) == 3 and all(p["id"].startswith("math/") for p in prompts)
+    chats = [json.loads(line) for line in files["output"].read_text().splitlines()]
+    extra = [json.loads(line) for line in files["extra"].read_text().splitlines()]
+    assert sorted(c["id"] for c in chats) == ["a", "b"]
+    assert sorted(c["id"] for c in extra) == sorted(p["id"] for p in prompts)
+    for record in chats + extra:
+        assert record["regenerated_by"] == "tiny" and record["messages"][-1]["role"] == "assistant"
+    for record in extra:  # the prompt as written, the reply the target's
+        prompt = next(p for p in prompts if p["id"] == record["id"])
+        assert record["messages"][0] == {k: prompt["messages"][0][k] for k in ("role", "content")}
+        assert record["messages"][1]["content"] != prompt["messages"][1]["content"]
+    assert "wrote 2 conversations to" in proc.stdout and "wrote 3 conversations to" in proc.stdout
+    assert not (tmp_path / "outputs").exists()  # a file tool: no Hydra run folder
+
+    before = {k: f.read_bytes() for k, f in files.items()}
+    proc = recipe()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("wrote 0 conversations to") == 2
+    assert {k: f.read_bytes() for k, f in files.items()} == before
+
+    for bad, message in (
+        (f"extra_output={files['output']}", "output and extra_output are both"),
+        (f"input={tmp_path / 'missing.json'}", "input="),
+    ):
+        for f in files.values():
+            f.unlink(missing_ok=True)
+        proc = recipe(bad)
+        assert proc.returncode != 0 and message in proc.stderr + proc.stdout, proc.stderr
+        assert "Traceback" not in proc.stderr and not any(f.exists() for f in files.values())
+
+
+def test_the_recipe_command_writes_what_the_qwen3_experiment_trains_on():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        recipe = compose("recipe", overrides=["model=qwen3"])
+        train = compose("train", overrides=["experiment=qwen3"])
+        sources = compose("sources")
+    assert recipe.output == train.data.path
+    assert [recipe.extra_output] == list(train.data.extra_paths)
+    assert recipe.input is None and recipe.chat_template_kwargs == {"enable_thinking": False}
+    assert recipe.prompts == sources  # the recipe's prompts are `python -m dflash2.data.sources`' own default

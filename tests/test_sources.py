@@ -154,3 +154,11 @@ def test_the_one_command_writes_the_same_bytes_twice(tmp_path):
         assert "gym_logic: 21 prompts kept" in proc.stdout
         files.append(out.read_bytes())
     assert files[0] == files[1]
+
+
+def test_the_configs_limits_are_the_builders_defaults():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        cfg = compose("sources")
+    assert dict(cfg.limit) == sources.DEFAULT_LIMITS

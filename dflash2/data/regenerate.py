@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import datasets
 import hydra
 import torch
 from omegaconf import DictConfig
@@ -271,40 +272,60 @@ def generate(
     return list(zip(texts, (~ended).tolist(), strict=True))
 
 
-def run(cfg: DictConfig) -> int:
-    """The CLI on a composed `configs/regenerate.yaml`; returns how many conversations were written."""
+def checked_options(cfg: DictConfig, outputs: Iterable[str]) -> dict[str, Any]:
+    """`regenerate`'s keyword arguments from a composed `configs/regenerate.yaml`, checked before the target loads:
+    the shard, the chat template's arguments, and each of `outputs` against what it already holds."""
     if not 0 <= cfg.shard_index < cfg.num_shards:
         raise SystemExit(f"shard_index={cfg.shard_index} must be in [0, num_shards={cfg.num_shards}); pass 0 .. n-1")
-    try:  # before the target loads
+    try:
         chat_template_kwargs = check_chat_template_kwargs(cfg.chat_template_kwargs, KWARGS_KEY) or {}
-        check_output(cfg.output, chat_template_kwargs)
+        for output in outputs:
+            check_output(output, chat_template_kwargs)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    return {
+        "batch_size": cfg.batch_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "max_length": cfg.max_length,
+        "chat_template_kwargs": chat_template_kwargs,
+        "regenerated_by": cfg.model.name,
+        "cache_implementation": cfg.get("cache_implementation"),
+        "shortest_first": cfg.shortest_first,
+    }
+
+
+def load_target(cfg: DictConfig) -> TargetModel:
+    """The frozen target of `cfg.model`, seeded by `cfg.seed` (sampled replies); a missing one exits in a sentence."""
     torch.manual_seed(cfg.seed)
     try:
-        target = build(cfg.model, device=resolve_device(cfg.device))
+        return build(cfg.model, device=resolve_device(cfg.device))
     except TargetNotFoundError as e:
         raise SystemExit(str(e)) from None  # one sentence, no traceback
-    conversations = load_conversations(cfg.input, limit=cfg.limit)  # input null = the packaged ShareGPT
+
+
+def conversations_of(cfg: DictConfig, path: str | None, setting: str = "input") -> datasets.Dataset:
+    """The conversations of `path` (None = the packaged ShareGPT) this process regenerates: `limit`, then its shard.
+    A missing file exits naming `setting`, the key the user typed it as."""
+    if path is not None and not Path(path).is_file():
+        raise SystemExit(f"{setting}={path!r} does not exist: pass a JSON/JSONL file of chats, or null for ShareGPT")
+    conversations = load_conversations(path, limit=cfg.limit)
     if cfg.num_shards > 1:
         conversations = conversations.shard(cfg.num_shards, cfg.shard_index, contiguous=False)
-    n = regenerate(
-        target,
-        conversations,
-        cfg.output,
-        batch_size=cfg.batch_size,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        max_length=cfg.max_length,
-        chat_template_kwargs=chat_template_kwargs,
-        regenerated_by=cfg.model.name,
-        cache_implementation=cfg.get("cache_implementation"),
-        shortest_first=cfg.shortest_first,
-    )
-    print(
-        f"regenerate: wrote {n} conversations to {cfg.output} (target {cfg.model.name}, "
-        f"{KWARGS_KEY}={format_kwargs(chat_template_kwargs)})"
-    )
+    return conversations
+
+
+def report(written: int, output: str, options: dict[str, Any]) -> str:
+    kwargs = format_kwargs(options["chat_template_kwargs"])
+    return f"wrote {written} conversations to {output} (target {options['regenerated_by']}, {KWARGS_KEY}={kwargs})"
+
+
+def run(cfg: DictConfig) -> int:
+    """The CLI on a composed `configs/regenerate.yaml`; returns how many conversations were written."""
+    options = checked_options(cfg, [cfg.output])
+    conversations = conversations_of(cfg, cfg.input)  # before the target loads: a wrong input fails at once
+    n = regenerate(load_target(cfg), conversations, cfg.output, **options)
+    print(f"regenerate: {report(n, cfg.output, options)}")
     return n
 
 

@@ -3,6 +3,7 @@
     python -m dflash2.data.sources                      # the recipe's mix (math, codeio) -> data/prompts/recipe.jsonl
     python -m dflash2.data.sources sources=[math,codeio,chitchat] limit.math=1000 output=data/prompts/mine.jsonl
     python -m dflash2.data.regenerate input=data/prompts/recipe.jsonl output=data/regenerated/recipe.jsonl
+    python -m dflash2.data.recipe model=qwen3 model.path=DIR   # the recipe's prompts, then ShareGPT's and their replies
 
 ShareGPT holds little math and code, and a drafter trained on it alone validates far lower on the math and code
 benches' own text than on ShareGPT's (BENCHMARKS.md, "Validation on each bench's own text"). Data sources are
@@ -163,7 +164,7 @@ SOURCES: dict[str, Callable[[str | None], list[dict[str, Any]]]] = {
     "codeio_explain": _codeio_explain,
     "chitchat": _chitchat,
 }
-# Prompts per source when it is named (configs/sources.yaml repeats them): null = all of a data source.
+# Prompts per source when it is named (configs/prompts/recipe.yaml repeats them): null = all of a data source.
 DEFAULT_LIMITS: dict[str, int | None] = {
     "math": None,
     "codeio": None,
@@ -324,12 +325,18 @@ def build(
     return counts
 
 
-@hydra.main(version_base="1.3", config_path="../../configs", config_name="sources")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> dict[str, int]:
+    """`build` on a composed `configs/prompts/recipe.yaml` (the keys of `configs/sources.yaml`); a wrong setting
+    exits in a sentence naming it."""
     try:
-        counts = build(cfg.sources, cfg.output, cfg.get("cache_dir"), dict(cfg.get("limit") or {}), cfg.seed)
+        return build(cfg.sources, cfg.output, cfg.get("cache_dir"), dict(cfg.get("limit") or {}), cfg.seed)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(str(e)) from None
+
+
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="sources")
+def main(cfg: DictConfig) -> None:
+    counts = run(cfg)
     print(
         f"sources: wrote {sum(counts.values())} prompts to {cfg.output}; answer them with "
         f"python -m dflash2.data.regenerate input={cfg.output}"

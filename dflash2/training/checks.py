@@ -81,9 +81,8 @@ def check_config(cfg: DictConfig) -> None:
         if not Path(extra).expanduser().is_file():
             raise FileNotFoundError(
                 f"data.extra_paths: {extra!r} does not exist; list JSON/JSONL files of chats, or data.extra_paths=[] "
-                "for data.path alone. The recipe's math and code replies are made with `python -m "
-                "dflash2.data.sources`, then `python -m dflash2.data.regenerate model=<this run's> "
-                f"input=data/prompts/recipe.jsonl output={extra}`"
+                "for data.path alone. `python -m dflash2.data.recipe model=<this run's> extra_output="
+                f"{extra}` makes the recipe's math and code replies (and ShareGPT's into its output=)"
             )
     check_module_knobs(cfg.module, cfg.trainer.get("strategy"))
     check_fsdp_device(cfg.trainer)

@@ -1,0 +1,48 @@
+"""The recipe's training data for a target in one command (contract section 7): chats and extra prompts, answered.
+
+    python -m dflash2.data.recipe model=qwen3 model.path=/local/Qwen3-8B
+    python train.py experiment=qwen3 model.path=/local/Qwen3-8B
+
+The three steps `python -m dflash2.data.regenerate` (ShareGPT), `python -m dflash2.data.sources` and
+`python -m dflash2.data.regenerate input=<prompts>` take one after another, with the target loaded once:
+1. the prompts (`prompts.*`, configs/prompts/recipe.yaml) are written to `prompts.output`; the same settings write
+   the same bytes, so a rerun rewrites them unchanged;
+2. the target answers `input` (null = the packaged ShareGPT, less the `sharegpt` bench's records) into `output`;
+3. it answers the prompts into `extra_output`.
+`output` and `extra_output` default to what `experiment=<model>` trains on (data.path, data.extra_paths). Every
+setting is checked before the target loads; both regenerations resume from what their outputs hold.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from dflash2.data import regenerate, sources
+
+
+def run(cfg: DictConfig) -> dict[str, int]:
+    """The CLI on a composed `configs/recipe.yaml`; returns how many conversations each output was given."""
+    if cfg.output == cfg.extra_output:
+        raise SystemExit(f"output and extra_output are both {cfg.output!r}: give each its own file")
+    options = regenerate.checked_options(cfg, [cfg.output, cfg.extra_output])
+    # Both inputs are read before the target loads, so a wrong setting fails in seconds, not after the load.
+    chats = regenerate.conversations_of(cfg, cfg.input)
+    counts = sources.run(cfg.prompts)
+    print(f"recipe: wrote {sum(counts.values())} prompts to {cfg.prompts.output}")
+    work = [(cfg.output, chats), (cfg.extra_output, regenerate.conversations_of(cfg, cfg.prompts.output))]
+    target = regenerate.load_target(cfg)
+    written = {}
+    for output, conversations in work:
+        written[output] = regenerate.regenerate(target, conversations, output, **options)
+        print(f"recipe: {regenerate.report(written[output], output, options)}")
+    return written
+
+
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="recipe")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
