@@ -111,6 +111,26 @@ def test_max_time_stops_a_run_at_its_budget_with_a_checkpoint(chats, tmp_path):
     draft_from_checkpoint(ckpt)
 
 
+class GradModes(Callback):
+    """The autograd modes each validation batch runs under, by the Trainer's entry point (validate or fit)."""
+
+    def __init__(self) -> None:
+        self.modes: list[tuple[str, bool, bool]] = []
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None:
+        self.modes.append((trainer.state.fn.value, torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+
+def test_the_first_validation_runs_in_the_grad_mode_of_fits_validations(chats, tmp_path):
+    """validate_first and fit's validations both run under no_grad and neither under inference_mode: a compiled graph
+    guards on the inputs being inference tensors, so a first validation under inference_mode would compile the
+    drafter, the head's chunks and the target's layers once more inside the training's time."""
+    probe = GradModes()
+    train(config(chats, tmp_path / "run", "trainer.max_steps=2", "trainer.val_check_interval=1"), callbacks=[probe])
+    assert {fn for fn, *_ in probe.modes} == {"validate", "fit"}
+    assert {tuple(modes) for _, *modes in probe.modes} == {(False, False)}, probe.modes
+
+
 def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_path):
     """With the learning rate at 0, val/tau_sim never improves after the first validation: the best checkpoint stays
     at step 2 while last.ckpt (what a resume and the exporter read) follows every validation, to step 4."""
