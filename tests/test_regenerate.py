@@ -279,7 +279,8 @@ def test_regenerate_marks_replies_cut_by_max_new_tokens(tiny, tmp_path, monkeypa
 def test_the_recipe_command_writes_prompts_and_both_answer_files_and_resumes(tmp_path):
     """`python -m dflash2.data.recipe` on the tiny target: the prompts file, then the chats' and the prompts' replies
     by one target load, each output what `regenerate` writes; a rerun rewrites the prompts unchanged and adds nothing.
-    Two outputs on one file, or a missing input, are refused before anything is written."""
+    Two outputs on one file, a missing input or an unknown source are refused, by the name typed, before anything is
+    written."""
     import os
     import subprocess
     import sys
@@ -320,6 +321,7 @@ def test_the_recipe_command_writes_prompts_and_both_answer_files_and_resumes(tmp
     for bad, message in (
         (f"extra_output={files['output']}", "output and extra_output are both"),
         (f"input={tmp_path / 'missing.json'}", "input="),
+        ("prompts.sources=[mathh]", "prompts.sources=['mathh']: choose from"),
     ):
         for f in files.values():
             f.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
     options = regenerate.checked_options(cfg, [cfg.output, cfg.extra_output])
     # Both inputs are read before the target loads, so a wrong setting fails in seconds, not after the load.
     chats = regenerate.conversations_of(cfg, cfg.input)
-    counts = sources.run(cfg.prompts)
+    counts = sources.run(cfg.prompts, prefix="prompts.")
     print(f"recipe: wrote {sum(counts.values())} prompts to {cfg.prompts.output}")
     work = [(cfg.output, chats), (cfg.extra_output, regenerate.conversations_of(cfg, cfg.prompts.output))]
     target = regenerate.load_target(cfg)

@@ -271,18 +271,21 @@ def build(
     cache_dir: str | None = None,
     limit: Mapping[str, int | None] | None = None,
     seed: int = 0,
+    prefix: str = "",
 ) -> dict[str, int]:
     """Write the sources' chats, apart from every benchmark and without repeats, to `output` (JSONL, atomically);
-    returns how many each source gave. `limit` (source -> count, None = all) updates `DEFAULT_LIMITS`."""
+    returns how many each source gave. `limit` (source -> count, None = all) updates `DEFAULT_LIMITS`. A wrong
+    setting is refused before anything is read, named as typed: `prefix` is where the command holds these settings
+    (`prompts.` under `python -m dflash2.data.recipe`)."""
     sources = list(sources)
     known = sorted([*SOURCES, *generators.FAMILIES])
     unknown = [s for s in sources if s not in known]
     if unknown or not sources or len(set(sources)) < len(sources):
-        raise ValueError(f"sources={sources}: choose from {known}, each once")
+        raise ValueError(f"{prefix}sources={sources}: choose from {known}, each once")
     limit = {**DEFAULT_LIMITS, **(limit or {})}
     for name in sources:
         if name in generators.FAMILIES and limit.get(name) is None:
-            raise ValueError(f"limit.{name} is null: a generated source needs a count")
+            raise ValueError(f"{prefix}limit.{name} is null: a generated source needs a count")
     seen = benchmark_ngrams(benchmark_texts(cache_dir))
     kept: list[dict[str, Any]] = []
     kept_keys: set[tuple[str, ...]] = set()
@@ -325,11 +328,11 @@ def build(
     return counts
 
 
-def run(cfg: DictConfig) -> dict[str, int]:
-    """`build` on a composed `configs/prompts/recipe.yaml` (the keys of `configs/sources.yaml`); a wrong setting
-    exits in a sentence naming it."""
+def run(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
+    """`build` on a composed `configs/prompts/recipe.yaml` (the keys of `configs/sources.yaml`, or of the recipe's
+    `prompts` with `prefix="prompts."`); a wrong setting exits in a sentence naming it."""
     try:
-        return build(cfg.sources, cfg.output, cfg.get("cache_dir"), dict(cfg.get("limit") or {}), cfg.seed)
+        return build(cfg.sources, cfg.output, cfg.get("cache_dir"), dict(cfg.get("limit") or {}), cfg.seed, prefix)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(str(e)) from None
 
