@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -281,10 +284,6 @@ def test_the_recipe_command_writes_prompts_and_both_answer_files_and_resumes(tmp
     by one target load, each output what `regenerate` writes; a rerun rewrites the prompts unchanged and adds nothing.
     Two outputs on one file, a missing input or an unknown source are refused, by the name typed, before anything is
     written."""
-    import os
-    import subprocess
-    import sys
-
     write_sharegpt(tmp_path / "chats.json")
     files = {k: tmp_path / f"{k}.jsonl" for k in ("prompts", "output", "extra")}
     cmd = [sys.executable, "-m", "dflash2.data.recipe", "model=tiny", f"model.path={tiny_target_path()}"]

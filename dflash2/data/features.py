@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 
@@ -148,8 +149,6 @@ def run(cfg: Any) -> dict[str, Any]:
     target.to(resolve_device(cfg.device))
     rows, extras = build_data(cfg, target, draft)._rows()
     if extras:  # data.path's rows first, then each file's: the order FeatureStore.attach numbers them in
-        import datasets
-
         rows = datasets.concatenate_datasets([rows, *extras])
     fields = binding(cfg.model, cfg.data, list(draft.target_layer_ids))
     manifest = write_features(
