@@ -2,8 +2,9 @@
 
 One run = one drafter (or prompt lookup, `drafter=pld`) x one benchmark x one setting (temperature, block size,
 selector on/off). It writes `results.json` (acceptance statistics, speed, who was evaluated) and `samples.jsonl`
-(one line per request) into its run folder, prints a table and logs an offline W&B run. `dflash2.sweep`
-summarises a multirun.
+(one line per request) into its run folder, prints a table and logs an offline W&B run. A drafter's greedy run also
+reports its copy gap (`dflash2.copy_gap`): where prompt lookup would have had a proposal accepted, and the taus
+there. `dflash2.sweep` summarises a multirun.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dflash2 import kernels
 from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
 from dflash2.config import DFlash2Config
 from dflash2.contract import check_block_size
+from dflash2.copy_gap import copy_gap, replayable
 from dflash2.eval_report import format_table, log_wandb
 from dflash2.groups import build
 from dflash2.lint import lint
@@ -156,7 +158,7 @@ def describe_draft(
             "conv": None,
             "trained_block_size": None,
             "manifest": None,
-            "pld": dataclasses.asdict(draft) | {"num_tokens": draft.slots(block_size)},
+            "pld": draft.settings(block_size),
         }
     return {
         "path": str(Path(cfg.drafter).expanduser().resolve()),
@@ -394,6 +396,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     # tau_sim was measured at the trained block size: a gap at another size would compare different things.
     comparable = tau_sim is not None and block_size == described["trained_block_size"]
     results["tau_gap"] = tau_sim - results["tau"] if comparable else None
+    # Where prompt lookup would have done as well, replayed from the greedy text (dflash2.copy_gap): no decoding.
+    results["copy_gap"] = copy_gap(samples, block_size) if replayable(described, settings["temperature"]) else None
     if reference:
         results["baseline"] = _baseline(reference, passes, results["tokens_per_s_passes"], settings["temperature"])
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before leaves no folder behind

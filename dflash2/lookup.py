@@ -64,6 +64,10 @@ class PromptLookup:
             )
         return block_size - 1 if self.num_tokens is None else self.num_tokens
 
+    def settings(self, block_size: int) -> dict[str, int | None]:
+        """The settings as results.json records them, `num_tokens` resolved at `block_size`."""
+        return dataclasses.asdict(self) | {"num_tokens": self.slots(block_size)}
+
     def new_cache(self) -> None:
         return None  # nothing to cache: the lookup reads the committed tokens only
 

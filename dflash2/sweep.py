@@ -1,7 +1,9 @@
-"""The summary of an evaluation sweep: one CSV row per run and two plots, written into the sweep folder.
+"""The summary of an evaluation sweep: one CSV row per run and its plots, written into the sweep folder.
 
 `python evaluate.py -m ...` calls `SweepSummary.on_multirun_end` (a Hydra callback) once every run has finished;
-`summarize_sweep(<sweep dir>)` does the same for any folder of runs, e.g. after adding runs by hand.
+`summarize_sweep(<sweep dir>)` does the same for any folder of runs, e.g. after adding runs by hand. A value a run
+cannot have (tau_gap away from the drafter's trained block size, the copy gap of prompt lookup or at T > 0, ...) is
+an empty cell, and the row's `note` says why (`dflash2.eval_report.missing`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import pandas as pd
 from hydra.experimental.callback import Callback
 
+from dflash2.eval_report import COPY_GAP_KEYS, missing
+
 log = logging.getLogger(__name__)
 # matplotlib is imported by the functions that plot: 0.3 s that every evaluate.py start would pay otherwise, and its
 # backend (Agg, summarize_sweep) must be chosen before pyplot is imported.
@@ -21,6 +25,8 @@ log = logging.getLogger(__name__)
 SUMMARY_CSV = "summary.csv"
 TAU_PLOT = "tau_by_bench.png"
 CURVE_PLOT = "per_position_accept.png"
+COPY_GAP_PLOT = "copy_gap.png"  # only when some run has a copy gap
+NOTE_SEPARATOR = "; "  # between the reasons of a row's note
 COLUMNS = [
     "run",
     "bench",
@@ -31,11 +37,13 @@ COLUMNS = [
     "tau",
     "tau_sim",
     "tau_gap",
+    *COPY_GAP_KEYS,
     "num_prompts",
     "num_steps",
     "num_tokens",
     "tokens_per_s",
     "setting",
+    "note",
 ]
 
 
@@ -60,12 +68,31 @@ def summary_table(runs: list[dict[str, Any]]) -> pd.DataFrame:
     for r in runs:
         row = {k: r.get(k) for k in COLUMNS}
         row.update(draft=r["draft"]["name"], selector=r["draft"]["selector"])
+        row.update({k: (r.get("copy_gap") or {}).get(k) for k in COPY_GAP_KEYS})
         row["setting"] = setting_label(row)
+        row["note"] = NOTE_SEPARATOR.join(missing(r))
         rows.append(row)
     table = pd.DataFrame(rows, columns=COLUMNS)
+    numbers = ["tau", "tau_sim", "tau_gap", *COPY_GAP_KEYS, "tokens_per_s"]
+    table[numbers] = table[numbers].astype(float)  # None -> NaN: a column of them all is still numbers
     if table["draft"].nunique() > 1:
         table["setting"] = table["draft"] + " " + table["setting"]
     return table
+
+
+def format_summary(table: pd.DataFrame) -> str:
+    """The summary as the log shows it: "-" for an empty cell, and below the table why each is empty, with the rows
+    (the table's index) it applies to."""
+    shown = table.drop(columns=["run", "setting", "note"])
+    shown["selector"] = shown["selector"].map(lambda on: "-" if on is None or pd.isna(on) else str(on).lower())
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        lines = [shown.to_string(na_rep="-")]
+    rows: dict[str, list[str]] = {}
+    for index, note in zip(table.index, table["note"], strict=True):
+        for reason in filter(None, note.split(NOTE_SEPARATOR)):
+            rows.setdefault(reason, []).append(str(index))
+    lines += [f"- {reason} (rows {', '.join(at)})" for reason, at in rows.items()]
+    return "\n".join(lines)
 
 
 def tau_figure(table: pd.DataFrame) -> Any:
@@ -122,8 +149,54 @@ def plot_curves(runs: list[dict[str, Any]], table: pd.DataFrame, path: Path) -> 
     plt.close(fig)
 
 
+def copy_gap_figure(table: pd.DataFrame) -> Any:
+    """Per bench, each greedy drafter run's tau on the steps prompt lookup would have copied and on the others,
+    beside the lookup's own tau on the copyable ones; None when no run has a copy gap."""
+    import matplotlib.pyplot as plt
+
+    rows = table[table["copyable_share"].notna()]
+    if rows.empty:
+        return None
+    benches = sorted(rows["bench"].unique())
+    widest = max((rows["bench"] == b).sum() for b in benches)
+    fig, axes = plt.subplots(1, len(benches), figsize=(max(4.5, 1.6 * widest + 1.5) * len(benches), 4), squeeze=False)
+    for ax, bench in zip(axes[0], benches, strict=True):
+        runs = rows[rows["bench"] == bench]
+        labels = [f"{s}\n{c:.0%} copyable" for s, c in zip(runs["setting"], runs["copyable_share"], strict=True)]
+        bars = pd.DataFrame(
+            {
+                "drafter, copyable steps": runs["tau_copyable"].to_numpy(),
+                "drafter, other steps": runs["tau_other"].to_numpy(),
+                "prompt lookup, copyable steps": runs["lookup_tau_copyable"].to_numpy(),
+            },
+            index=labels,
+        )
+        bars.plot.bar(ax=ax, rot=0, legend=False)
+        ax.set_title(bench)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.tick_params(axis="x", labelsize="small")
+    axes[0, 0].set_ylabel("tau (committed tokens per verify step)")
+    axes[0, -1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("copy gap: where prompt lookup would have had a proposal accepted (T=0)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_copy_gap(table: pd.DataFrame, path: Path) -> bool:
+    """copy_gap.png when some run has a copy gap; whether it was written."""
+    import matplotlib.pyplot as plt
+
+    fig = copy_gap_figure(table)
+    if fig is None:
+        return False
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def summarize_sweep(sweep_dir: str | Path) -> pd.DataFrame:
-    """Write summary.csv, tau_by_bench.png and per_position_accept.png into sweep_dir; returns the table."""
+    """Write summary.csv, tau_by_bench.png, per_position_accept.png and (when some run has a copy gap) copy_gap.png
+    into sweep_dir; returns the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,6 +208,8 @@ def summarize_sweep(sweep_dir: str | Path) -> pd.DataFrame:
     table.to_csv(sweep_dir / SUMMARY_CSV, index=False)
     plot_tau(table, sweep_dir / TAU_PLOT)
     plot_curves(runs, table, sweep_dir / CURVE_PLOT)
+    if not plot_copy_gap(table, sweep_dir / COPY_GAP_PLOT):
+        (sweep_dir / COPY_GAP_PLOT).unlink(missing_ok=True)  # an earlier summary's, of runs no longer there
     return table
 
 
@@ -148,6 +223,6 @@ class SweepSummary(Callback):
         except FileNotFoundError as e:
             log.error("%s", e)
             return
-        with pd.option_context("display.width", 160, "display.max_columns", 20):
-            print(table.drop(columns=["run", "setting"]).to_string(index=False))
-        print(f"wrote {sweep_dir / SUMMARY_CSV}, {TAU_PLOT} and {CURVE_PLOT}")
+        print(format_summary(table))
+        plots = [TAU_PLOT, CURVE_PLOT] + [COPY_GAP_PLOT] * (sweep_dir / COPY_GAP_PLOT).is_file()
+        print(f"wrote {sweep_dir / SUMMARY_CSV}, {', '.join(plots[:-1])} and {plots[-1]}")

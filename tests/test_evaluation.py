@@ -5,15 +5,21 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from dflash2 import DFlash2DraftModel
+from dflash2.copy_gap import lookup_accepts
+from dflash2.eval_report import COPY_GAP_KEYS, format_table
 from dflash2.evaluation import acceptance_stats, evaluate, read_tau_sim
+from dflash2.lookup import PromptLookup
 from dflash2.manifest import MANIFEST_KEY, build_manifest, target_identity
+from dflash2.sweep import COLUMNS, NOTE_SEPARATOR, copy_gap_figure, format_summary, summary_table
 from dflash2.testing import tiny_draft_config, tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +92,27 @@ def test_results_agree_with_samples(tiny, tmp_path):
     assert results["draft"]["selector"] is True and results["draft"]["trained_block_size"] == 4
     assert results["target"] == target_identity("tiny", tiny.config, tiny.tokenizer)
     assert results["tokens_per_s"] > 0
+    # The copy gap: prompt lookup replayed at each step (dflash2.copy_gap), split by hand here.
+    looked = [n for s in samples for n in replay(s, 8)]
+    copyable = [d for d, n in zip(lengths, looked, strict=True) if n > 1]
+    other = [d for d, n in zip(lengths, looked, strict=True) if n == 1]
+    gap = results["copy_gap"]
+    assert gap["steps"] == len(lengths) and gap["copyable_share"] == pytest.approx(len(copyable) / len(lengths))
+    assert gap["tau_copyable"] == (pytest.approx(sum(copyable) / len(copyable)) if copyable else None)
+    assert gap["tau_other"] == (pytest.approx(sum(other) / len(other)) if other else None)
+    lookup_there = [n for n in looked if n > 1]
+    assert gap["lookup_tau_copyable"] == (pytest.approx(sum(lookup_there) / len(lookup_there)) if copyable else None)
+    # drafter=pld's lookup with the default `pld` settings at the run's block size (as its own run records them)
+    assert gap["lookup"] == {"max_ngram": 3, "min_ngram": 1, "num_tokens": 7, "filler": 0}
+    table = format_table(results)
+    assert f"copyable steps {gap['copyable_share']:.0%} (lookup would accept): drafter tau " in table
+    assert "no tau_gap: tau_sim is measured at the drafter's trained block size 4, not at 8" in table
+    assert "nan" not in table.lower()
+
+
+def replay(sample, block_size):
+    keys = ("prompt_ids", "output_ids", "accept_lengths")
+    return lookup_accepts(*(sample[k] for k in keys), block_size, PromptLookup())
 
 
 def test_a_rerun_keeps_finished_runs_of_the_same_settings(tiny, tmp_path, monkeypatch):
@@ -120,6 +147,8 @@ def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
     assert "Name a fruit." in second and answer.strip() in second and second.index("And a vegetable?") > 0
     assert results["num_prompts"] == 2 and results["num_requests"] == 3 and results["tau_sim"] is None
     assert results["draft"]["selector"] is False and results["baseline"]["tokens_per_s"] > 0
+    assert results["copy_gap"] is None  # sampled: the output depends on what was proposed
+    assert "lookup_tau_copyable): at T > 0 the output depends on what was proposed" in format_table(results)
 
 
 def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path, monkeypatch):
@@ -168,6 +197,10 @@ def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
     assert results["num_steps"] == sum(len(s["accept_lengths"]) for s in samples) > 0
     assert results["target"] == target_identity("tiny", tiny.config, tiny.tokenizer)
     assert results["baseline"]["identical_outputs"] == 1.0  # greedy: the target's own output
+    assert results["copy_gap"] is None  # the lookup's own run is what the copy gap replays
+    table = format_table(results)
+    assert "copyable steps" not in table and "no selector, tau_sim, tau_gap: prompt lookup is not trained" in table
+    assert "lookup_tau_copyable): this is prompt lookup's own run" in table
 
     results = evaluate(config("drafter=pld", "bench.limit=1", "max_new_tokens=4", "block_size=4"), tmp_path / "b4")
     assert results["block_size"] == 4 and results["draft"]["pld"]["num_tokens"] == 3
@@ -257,8 +290,6 @@ def test_output_to_a_file_has_no_bar_frames_or_library_warnings(sweep):
 
 def test_sweep_writes_runs_summary_and_plots(sweep):
     sweep_dir, stdout = sweep
-    import pandas as pd
-
     table = pd.read_csv(sweep_dir / "summary.csv")
     assert len(table) == 8 and set(table["bench"]) == {"humaneval", "sharegpt"}
     drafter, lookup = table[table["draft"] == "draft"], table[table["draft"] == "pld"]
@@ -266,7 +297,16 @@ def test_sweep_writes_runs_summary_and_plots(sweep):
         assert len(rows) == 4 and set(rows["temperature"]) == {0.0, 1.0}
     assert (drafter["tau_sim"] == 1.5).all() and lookup["tau_sim"].isna().all()
     assert (lookup["block_size"] == 16).all() and (lookup["tau"] >= 1).all()
-    for png in ("tau_by_bench.png", "per_position_accept.png"):
+    assert list(table.columns) == COLUMNS
+    greedy, sampled = drafter[drafter["temperature"] == 0], drafter[drafter["temperature"] == 1]
+    assert greedy["copyable_share"].between(0, 1).all() and greedy["tau_other"].notna().all()
+    assert sampled[list(COPY_GAP_KEYS)].isna().all().all() and lookup[list(COPY_GAP_KEYS)].isna().all().all()
+    assert sampled["note"].str.contains("at T > 0 the output depends on what was proposed").all()
+    assert lookup["note"].str.contains("prompt lookup is not trained").all()
+    assert_every_empty_cell_explained(table)
+    assert "NaN" not in stdout and "None" not in stdout
+    assert "- no selector, tau_sim, tau_gap: prompt lookup is not trained (rows 4, 5, 6, 7)" in stdout
+    for png in ("tau_by_bench.png", "per_position_accept.png", "copy_gap.png"):
         assert (sweep_dir / png).read_bytes()[:4] == b"\x89PNG"
     runs = sorted(p.parent for p in sweep_dir.rglob("results.json"))
     for run_dir in runs:
@@ -274,6 +314,109 @@ def test_sweep_writes_runs_summary_and_plots(sweep):
         assert results["num_steps"] == sum(len(s["accept_lengths"]) for s in samples)
         assert list(run_dir.glob("wandb/offline-run-*")), f"no offline W&B run under {run_dir}"
     assert "tau" in stdout and "summary.csv" in stdout
+
+
+def assert_every_empty_cell_explained(table):
+    """Each empty cell of summary.csv's rows is named in that row's note, before the reason's colon."""
+    for _, row in table.iterrows():
+        reasons = [] if pd.isna(row["note"]) else row["note"].split(NOTE_SEPARATOR)
+        named = {name for reason in reasons for name in re.findall(r"[a-z_]+", reason.split(": ")[0])}
+        empty = {column for column, value in row.items() if column != "note" and pd.isna(value)}
+        assert empty <= named, (row["run"], empty - named, row["note"])
+
+
+def hand_run(draft="a", block=16, temperature=0.0, tau_sim=2.0, gap=True, trained=16) -> dict:
+    """A run as evaluate.py records it (what the summary reads): `gap` False for results.json written before the
+    copy gap was."""
+    lookup = draft == "pld"
+    run = {
+        "draft": {
+            "name": draft,
+            "architecture": "PromptLookup" if lookup else "DFlash2DraftModel",
+            "selector": None if lookup else True,
+            "trained_block_size": None if lookup else trained,
+        },
+        "run": f"{draft}-B{block}-T{temperature:g}",
+        "bench": "gsm8k",
+        "temperature": temperature,
+        "block_size": block,
+        "tau": 1.5 + torch.rand(()).item(),
+        "tau_sim": None if lookup else tau_sim,
+        "num_prompts": 2,
+        "num_steps": 9,
+        "num_tokens": 20,
+        "tokens_per_s": 10.0,
+    }
+    run["tau_gap"] = run["tau_sim"] - run["tau"] if run["tau_sim"] is not None and block == trained else None
+    if gap:
+        replayed = not lookup and temperature == 0
+        numbers = [torch.rand(()).item(), 2 + torch.rand(()).item(), 1 + torch.rand(()).item(), 4.0]
+        gap = dict(zip(COPY_GAP_KEYS, numbers, strict=True)) | {"steps": 9, "lookup": PromptLookup().settings(block)}
+        run["copy_gap"] = gap if replayed else None
+    return run
+
+
+def test_the_summary_says_why_each_cell_is_empty():
+    runs = [
+        hand_run(),  # everything there
+        hand_run(block=8),  # tau_sim is measured at the trained block size only
+        hand_run(temperature=1.0),
+        hand_run(draft="b", tau_sim=None),
+        hand_run(gap=False),  # a results.json written before the copy gap
+        hand_run(draft="pld", tau_sim=None),
+    ]
+    runs[0]["copy_gap"]["tau_other"] = None  # every step was copyable
+    table = summary_table(runs)
+    assert table["note"][0] == "no tau_other: every step was copyable"
+    assert table["note"][1] == "no tau_gap: tau_sim is measured at the drafter's trained block size 16, not at 8"
+    assert pd.isna(table["tau_gap"][1]) and table["tau_sim"][1] == 2.0 and table["copyable_share"].notna()[1]
+    assert table["note"][2].startswith("no copy gap (copyable_share, tau_copyable, tau_other, lookup_tau_copyable)")
+    assert table["note"][3] == "no tau_sim, tau_gap: the drafter's export records no tau_sim"
+    assert "results.json predates it" in table["note"][4] and table[list(COPY_GAP_KEYS)].iloc[4].isna().all()
+    assert table["note"][5].startswith("no selector, tau_sim, tau_gap: prompt lookup is not trained; no copy gap")
+    assert_every_empty_cell_explained(table)
+    shown = format_summary(table)
+    assert "NaN" not in shown and "None" not in shown
+    assert "- no tau_gap: tau_sim is measured at the drafter's trained block size 16, not at 8 (rows 1)" in shown
+    assert "(rows 2, 5)" not in shown and "at T > 0" in shown  # one reason per cause, each with its own rows
+
+
+def test_copy_gap_plot_shows_each_greedy_drafter_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [hand_run(), hand_run(block=8), hand_run(draft="b"), hand_run(temperature=1.0), hand_run(draft="pld")]
+    table = summary_table(runs)
+    fig = copy_gap_figure(table)
+    heights = sorted(round(p.get_height(), 6) for ax in fig.axes for c in ax.containers for p in c)
+    gaps = [r["copy_gap"] for r in runs if r["copy_gap"]]
+    assert len(gaps) == 3
+    assert heights == sorted(round(g[k], 6) for g in gaps for k in COPY_GAP_KEYS[1:])
+    plt.close(fig)
+    assert copy_gap_figure(summary_table(runs[3:])) is None  # nothing to show: no plot
+
+
+def test_wandb_summary_has_the_copy_gap(monkeypatch, tmp_path):
+    from dflash2.eval_report import log_wandb
+
+    summary = {}
+    run = types.SimpleNamespace(log=lambda *a, **k: None, summary=summary, finish=lambda: None)
+    fake = types.SimpleNamespace(
+        init=lambda **k: run,
+        Table=lambda **k: None,
+        plot=types.SimpleNamespace(line=lambda *a, **k: None, bar=lambda *a, **k: None),
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    results = hand_run() | {"per_position_accept": [0.5], "accept_hist": [1, 1]}
+    results["copy_gap"]["tau_other"] = None  # every step copyable: nothing to log there
+    log_wandb(config("drafter=x"), results, tmp_path)
+    gap = {k.removeprefix("copy_gap/"): v for k, v in summary.items() if k.startswith("copy_gap/")}
+    assert gap == {k: v for k, v in results["copy_gap"].items() if k not in ("lookup", "tau_other")}
+    summary.clear()
+    log_wandb(config("drafter=x"), hand_run(temperature=1.0) | {"per_position_accept": [], "accept_hist": []}, tmp_path)
+    assert summary and not [k for k in summary if k.startswith("copy_gap/")]
 
 
 def test_each_run_logs_its_progress_and_results_off_a_terminal(sweep):
@@ -344,14 +487,13 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    from dflash2.sweep import summary_table, tau_figure
+    from dflash2.sweep import tau_figure
 
     def run(draft: str, bench: str, block: int, tau: float, tau_sim: float) -> dict:
         gap = tau_sim - tau if block == 16 else None  # evaluate.py sets tau_gap only at the training block size
         return {
-            "draft": {"name": draft, "selector": True},
+            "draft": {"name": draft, "selector": True, "architecture": "DFlash2DraftModel", "trained_block_size": 16},
             "bench": bench,
             "temperature": 0.0,
             "block_size": block,
@@ -368,7 +510,11 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
         for block in (16, 8)
     ]
     # Prompt lookup as evaluate.py records it: no tau_sim, no selector.
-    lookup = {"tau_sim": None, "tau_gap": None, "draft": {"name": "pld", "selector": None}}
+    lookup = {
+        "tau_sim": None,
+        "tau_gap": None,
+        "draft": {"name": "pld", "selector": None, "architecture": "PromptLookup"},
+    }
     runs += [run("pld", bench, 16, 1.0 + torch.rand(()).item(), 0.0) | lookup for bench in ("gsm8k", "mbpp")]
     table = summary_table(runs)
     fig = tau_figure(table)
