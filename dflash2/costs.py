@@ -25,6 +25,7 @@ few timed steps commit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -125,17 +126,14 @@ def _run(decode: Callable[[Clock], tuple[list[float], list[float], list[float]]]
     }
 
 
-def _medians(runs: list[dict]) -> dict[str, float]:
-    """The runs' steps pooled: median draft (0 without one), forward and other; step is their sum."""
+def medians(runs: list[dict]) -> dict[str, float]:
+    """Timing runs' steps pooled: median draft (0 without one), forward and other, step their sum, median prefill."""
     costs = {key: statistics.median(x for run in runs for x in run[key]) for key in ("draft", "forward", "other")}
     return costs | {"step": sum(costs.values()), "prefill": statistics.median(run["prefill"] for run in runs)}
 
 
-def time_target(
-    target: Any, prompts: list[list[int]], token: dict[str, float], steps: int, runs: int, warmup: int, seed: int
-) -> dict[str, float]:
-    """The target alone on one batch (`prompts`): seconds of its one-token `forward`, `other`, `step`, `prefill`."""
-    clock = device_clock(target.lm_head_weight.device)
+def target_run(target: Any, prompts: list[list[int]], token: dict[str, float], steps: int, seed: int) -> dict:
+    """One timing run of the target alone on one batch (`prompts`); `medians` of runs are its costs."""
     sampling = Sampling(**token, batch_size=len(prompts))  # no stop ids: every row decodes every timed step
 
     def decode(clock: Clock) -> tuple[list[float], list[float], list[float]]:
@@ -147,23 +145,19 @@ def time_target(
             pass
         return timed.forward.starts()[1:], timed.forward.durations()[1:], []
 
-    m = _medians([_run(decode, clock, steps) for _ in range(warmup + runs)][warmup:])
-    return {key: m[key] for key in ("forward", "other", "step", "prefill")}
+    return _run(decode, device_clock(target.lm_head_weight.device), steps)
 
 
-def time_speculative(
+def speculative_run(
     target: Any,
     proposer: Proposer,
     prompts: list[list[int]],
     block_size: int,
     token: dict[str, float],
     steps: int,
-    runs: int,
-    warmup: int,
     seed: int,
-) -> dict[str, float]:
-    """Speculative decoding on one batch at `block_size`: seconds of `draft`, `verify`, `other`, `step`, `prefill`."""
-    clock = device_clock(target.lm_head_weight.device)
+) -> dict:
+    """One timing run of speculative decoding on one batch at `block_size`; `medians` of runs are its costs."""
     sampling = Sampling(**token, batch_size=len(prompts))
     budget = (steps + 3) * block_size  # more than the timed steps can commit: no row finishes before the end
 
@@ -178,8 +172,7 @@ def time_speculative(
         # The target's call 0 is the prompt's prefill, call k + 1 step k's verify.
         return timed.call.starts(), timed_target.forward.durations()[1:], timed.call.durations()
 
-    m = _medians([_run(decode, clock, steps) for _ in range(warmup + runs)][warmup:])
-    return {"verify" if key == "forward" else key: value for key, value in m.items()}
+    return _run(decode, device_clock(target.lm_head_weight.device), steps)
 
 
 def measure_costs(
@@ -193,15 +186,31 @@ def measure_costs(
     warmup: int,
     seed: int,
 ) -> dict[str, list[dict[str, Any]]]:
-    """`time_target` at every batch (batch size -> its prompts) and `time_speculative` at every batch and block size,
-    in seconds, with the prompts' tokens (the context they ran at)."""
+    """The target alone's costs at every batch (batch size -> its prompts) and speculative decoding's at every batch
+    and block size, in seconds, with the prompts' tokens (the context they ran at).
+
+    Every setting first runs `warmup` untimed runs; then the timed runs go round the settings `runs` times, so that
+    a spell of load on a shared machine touches every setting a little rather than one a lot."""
+    jobs: dict[tuple[int, int | None], Callable[[], dict]] = {}
+    for b, prompts in batches.items():
+        jobs[b, None] = functools.partial(target_run, target, prompts, token, steps, seed)
+        for block in block_sizes:
+            jobs[b, block] = functools.partial(speculative_run, target, proposer, prompts, block, token, steps, seed)
+    log.info("timing %d settings (the target alone and each block, at each batch size), %d runs each", len(jobs), runs)
+    for job in jobs.values():
+        for _ in range(warmup):
+            job()
+    timed: dict[tuple[int, int | None], list[dict]] = {key: [] for key in jobs}
+    for _ in range(runs):
+        for key, job in jobs.items():
+            timed[key].append(job())
     out: dict[str, list[dict[str, Any]]] = {"target": [], "speculative": [], "context": []}
-    timing = dict(steps=steps, runs=runs, warmup=warmup, seed=seed)
     for b, prompts in batches.items():
         out["context"].append({"batch": b, "mean": sum(map(len, prompts)) / b, "max": max(map(len, prompts))})
-        out["target"].append({"batch": b, **time_target(target, prompts, token, **timing)})
+        cost = medians(timed[b, None])
+        out["target"].append({"batch": b} | {k: cost[k] for k in ("forward", "other", "step", "prefill")})
         for block in block_sizes:
-            cost = time_speculative(target, proposer, prompts, block, token, **timing)
+            cost = {"verify" if k == "forward" else k: v for k, v in medians(timed[b, block]).items()}
             out["speculative"].append({"batch": b, "block": block, **cost})
             log.info(
                 "costs at batch %d, block %d: %s", b, block, ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cost.items())

@@ -130,7 +130,7 @@ def predict(
     """Predicted tokens/s of speculative decoding and of the target alone at `batch`, and the speed-up.
 
     `replies`: (tokens, mean steps K) of each reply by prompt and turn, at one block; `tau` that block's; `spec`:
-    batch size -> its draft/verify/other/step/prefill seconds (`costs.time_speculative`); `target`: batch size -> the
+    batch size -> its draft/verify/other/step/prefill seconds (`costs.measure_costs`); `target`: batch size -> the
     target alone's forward/other/step/prefill."""
     step, prefill = _column(spec, "step"), _column(spec, "prefill")
     target_step, target_prefill = _column(target, "step"), _column(target, "prefill")

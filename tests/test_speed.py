@@ -262,3 +262,39 @@ def test_prompt_lookup_is_costed_and_predicted_without_measuring(tmp_path):
     assert row["measured"] is None and row["error"] is None and row["predicted"]["tokens_per_s"] > 0
     (cost,) = result["costs"]["speculative"]
     assert cost["block"] == 4 and cost["draft"] > 0  # the lookup itself, timed as the proposer
+
+
+def test_a_timing_run_times_its_steps_and_stops(tiny):
+    """`steps` steps are timed after the prefill's step; the decode stops at the next step's start, whatever budget."""
+    from dflash2.costs import speculative_run, target_run
+    from dflash2.lookup import PromptLookup
+
+    calls = {"propose": 0, "forward": 0}
+
+    class Counting(PromptLookup):
+        def __call__(self, *args, **kwargs):
+            calls["propose"] += 1
+            return super().__call__(*args, **kwargs)
+
+    class CountingTarget:
+        def __init__(self, target):
+            self.target = target
+
+        def __getattr__(self, name):
+            return getattr(self.target, name)
+
+        def forward(self, *args, **kwargs):
+            calls["forward"] += 1
+            return self.target.forward(*args, **kwargs)
+
+    token = dict(temperature=0.0, top_k=0, top_p=1.0)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    run = speculative_run(CountingTarget(tiny), Counting(), prompts, 4, token, steps=3, seed=0)
+    assert {k: len(v) for k, v in run.items() if k != "prefill"} == {"forward": 3, "draft": 3, "other": 3}
+    assert calls == {"propose": 4, "forward": 5}  # steps 0..3 proposed and verified, after the prompt's prefill
+    assert min(run["other"]) >= 0 and run["prefill"] > 0
+
+    calls.update(forward=0)
+    run = target_run(CountingTarget(tiny), prompts, token, steps=3, seed=0)
+    assert {k: len(v) for k, v in run.items() if k != "prefill"} == {"forward": 3, "draft": 3, "other": 3}
+    assert calls["forward"] == 5 and run["draft"] == [0.0] * 3  # the prefill, then steps 0..3
