@@ -273,9 +273,9 @@ def generate_turns(
         for i in todo:
             conversations[i].append({"role": "user", "content": prompts[i]["turns"][turn]})
         prompt_ids = [render(tokenizer, conversations[i], chat_template_kwargs) for i in todo]
-        start = _clock(target)
+        start = clock(target)
         outputs = decode(target, draft, prompt_ids, settings, generator, progress)
-        seconds += _clock(target) - start
+        seconds += clock(target) - start
         for i, ids, out in zip(todo, prompt_ids, outputs, strict=True):
             answer = tokenizer.decode(out.output_ids, skip_special_tokens=True)
             conversations[i].append({"role": "assistant", "content": answer})
@@ -313,40 +313,41 @@ def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -
     }
 
 
-def _clock(target: Any) -> float:
+def clock(target: Any) -> float:
+    """perf_counter once the target's device has finished its queued work."""
     if target.lm_head_weight.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter()
 
 
-def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """One evaluation run; writes results.json and samples.jsonl into run_dir and returns the results."""
-    from dflash2.bench import load_prompts
-
-    run_dir = Path(run_dir)
-    check_settings(cfg)  # before anything loads (evaluate.py: before Hydra makes the run folder, CheckSettings)
-    repeats = int(cfg.repeats)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
-    device = resolve_device(cfg.get("device"))
-    kernels.set_backend(cfg.kernels)
+def load_run(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel | PromptLookup, dict, int, bool]:
+    """What a run decodes with: (target, drafter or prompt lookup, the target's identity, block size, whether the
+    candidate selector proposes); prompt lookup's settings are refused before a target loads."""
     if cfg.drafter == PLD:
         draft, block_size = prompt_lookup(cfg)  # bad settings fail here, before a target is loaded
         target, identity = load_model_target(cfg, device, [])  # no features to capture, no manifest to check
-        use_selector = False
-    else:
-        target, draft, identity = load_pair(cfg, device)
-        block_size = int(cfg.block_size or draft.config.block_size)
-        use_selector = bool(cfg.selector) and draft.candidate_selector is not None
-        if cfg.selector and draft.candidate_selector is None:
-            log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
-    described = describe_draft(cfg, draft, use_selector, block_size)
-    chat_template_kwargs = prompt_chat_template_kwargs(cfg, draft, target)
-    turns = functools.partial(generate_turns, chat_template_kwargs=chat_template_kwargs)  # every pass renders alike
+        return target, draft, identity, block_size, False
+    target, draft, identity = load_pair(cfg, device)
+    block_size = int(cfg.block_size or draft.config.block_size)
+    use_selector = bool(cfg.selector) and draft.candidate_selector is not None
+    if cfg.selector and draft.candidate_selector is None:
+        log.info("the drafter has no candidate selector (plain DFlash): per-slot argmax / sampling")
+    return target, draft, identity, block_size, use_selector
+
+
+def bench_prompts(cfg: DictConfig) -> list[dict]:
+    """The `bench` group's prompts (its first `bench.limit`), refused when there are none."""
+    from dflash2.bench import load_prompts
+
     prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
     if not prompts:
         raise ValueError(f"bench {cfg.bench.name!r} with limit={cfg.bench.get('limit')} has no prompts")
-    settings = dict(
+    return prompts
+
+
+def decode_settings(cfg: DictConfig, target: Any) -> dict[str, Any]:
+    """How both decoders sample, stop and batch (`decode`'s settings; speculative decoding adds its block)."""
+    return dict(
         max_new_tokens=int(cfg.max_new_tokens),
         temperature=float(cfg.temperature),
         top_k=int(cfg.top_k),
@@ -354,17 +355,52 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         stop_ids=stop_token_ids(target, list(cfg.stop_tokens)),
         batch_size=int(cfg.batch_size),
     )
-    seed = int(cfg.seed)
-    # Each pass starts from the same seed; with `baseline` the target alone follows each pass, so the two speeds
-    # are compared pass by pass on a machine in the same state.
-    passes, reference = [], []
+
+
+def timed_passes(
+    cfg: DictConfig,
+    turns: Any,
+    target: Any,
+    draft: DFlash2DraftModel | PromptLookup,
+    prompts: list[dict],
+    settings: dict[str, Any],
+    block_size: int,
+    use_selector: bool,
+    baseline: bool,
+) -> tuple[list[tuple[list[dict], float]], list[tuple[list[dict], float]]]:
+    """`repeats` timed passes over the prompts (`turns`: `generate_turns` with the run's rendering) -> (speculative
+    passes, target-alone passes: empty unless `baseline`). Each pass starts from the same seed; the target alone
+    follows each pass, so the two speeds are compared pass by pass on a machine in the same state."""
+    device = target.lm_head_weight.device
     spec = dict(settings, block_size=block_size, use_selector=use_selector)
-    for r in range(repeats):
-        generator = torch.Generator(device).manual_seed(seed)
+    passes, reference = [], []
+    for r in range(int(cfg.repeats)):
+        generator = torch.Generator(device).manual_seed(int(cfg.seed))
         passes.append(turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
-        if cfg.baseline:
-            generator = torch.Generator(device).manual_seed(seed)
+        if baseline:
+            generator = torch.Generator(device).manual_seed(int(cfg.seed))
             reference.append(turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r)))
+    return passes, reference
+
+
+def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """One evaluation run; writes results.json and samples.jsonl into run_dir and returns the results."""
+    run_dir = Path(run_dir)
+    check_settings(cfg)  # before anything loads (evaluate.py: before Hydra makes the run folder, CheckSettings)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    device = resolve_device(cfg.get("device"))
+    kernels.set_backend(cfg.kernels)
+    target, draft, identity, block_size, use_selector = load_run(cfg, device)
+    described = describe_draft(cfg, draft, use_selector, block_size)
+    chat_template_kwargs = prompt_chat_template_kwargs(cfg, draft, target)
+    turns = functools.partial(generate_turns, chat_template_kwargs=chat_template_kwargs)  # every pass renders alike
+    prompts = bench_prompts(cfg)
+    settings = decode_settings(cfg, target)
+    seed = int(cfg.seed)
+    passes, reference = timed_passes(
+        cfg, turns, target, draft, prompts, settings, block_size, use_selector, bool(cfg.baseline)
+    )
     samples = passes[0][0]
     num_tokens = sum(len(s["output_ids"]) for s in samples)
     tau_sim = None  # prompt lookup is not trained: nothing predicts its tau
@@ -399,7 +435,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     # Where prompt lookup would have done as well, replayed from the greedy text (dflash2.copy_gap): no decoding.
     results["copy_gap"] = copy_gap(samples, block_size) if replayable(described, settings["temperature"]) else None
     if reference:
-        results["baseline"] = _baseline(reference, passes, results["tokens_per_s_passes"], settings["temperature"])
+        results["baseline"] = baseline_speed(reference, passes, results["tokens_per_s_passes"], settings["temperature"])
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before leaves no folder behind
     with open(run_dir / "samples.jsonl", "w") as f:
         for s in samples:
@@ -441,7 +477,7 @@ def speed(passes: list[tuple[list[dict], float]]) -> dict[str, Any]:
     }
 
 
-def _baseline(
+def baseline_speed(
     reference: list[tuple[list[dict], float]],
     passes: list[tuple[list[dict], float]],
     rates: list[float],
