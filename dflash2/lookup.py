@@ -104,3 +104,59 @@ class PromptLookup:
         taken = torch.arange(width, device=tokens.device) < self.slots(block_size)
         found = (follow[:, None] >= 0) & (index < lengths[:, None]) & taken
         return torch.where(found, tokens.gather(1, index.clamp(0, capacity - 1)), self.filler)
+
+    def follows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`lookup` at every prefix of one text at once: tokens [L] -> [L], where the proposal from the committed
+        tokens `tokens[: a + 1]` (the anchor a last) starts, -1 where no n-gram matches. The same rule as `lookup`
+        (tests/test_speculative.py compares them at every prefix), through an index of the n-grams: each n-gram gets
+        an id, and each window the latest earlier window of the same id, so a whole conversation costs a few sorts
+        instead of one comparison with every window per prefix."""
+        length = len(tokens)
+        follow = torch.full((length,), -1, dtype=torch.long, device=tokens.device)
+        if length == 0:
+            return follow
+        text = (tokens - tokens.min()).long()  # ids >= 0, so that (n-gram id, next token) pairs number uniquely
+        base = int(text.max()) + 1
+        ids = torch.zeros(length, dtype=torch.long, device=tokens.device)  # the id of the n-gram at each start
+        found = []  # per n, min_ngram up: where the proposal of each prefix starts when its last n tokens match
+        for n in range(1, min(self.max_ngram, length) + 1):
+            # The n-gram at s is the (n-1)-gram at s and the token at s + n - 1.
+            codes = ids[: length - n + 1] * base + text[n - 1 :]
+            order = torch.argsort(codes, stable=True)  # by n-gram, and by start within one
+            ordered = codes[order]
+            same = ordered[1:] == ordered[:-1]
+            ids = torch.empty_like(codes)  # renumbered densely by rank, so that ids stay < L and codes fit int64
+            ids[order] = torch.cat([same.new_zeros(1, dtype=torch.long), (~same).long().cumsum(0)])
+            if n < self.min_ngram:
+                continue
+            earlier = torch.full_like(codes, -1)  # the latest earlier start of the same n-gram
+            earlier[order[1:]] = torch.where(same, order[:-1], -1)
+            # The suffix of the prefix ending at a starts at a - n + 1; its proposal follows the earlier copy.
+            at = torch.full((length,), -1, dtype=torch.long, device=tokens.device)
+            at[n - 1 :] = torch.where(earlier >= 0, earlier + n, -1)
+            found.append(at)
+        for at in reversed(found):  # the longest n that matches wins
+            follow = torch.where(follow < 0, at, follow)
+        return follow
+
+    def matched_lengths(
+        self, tokens: torch.Tensor, block_size: int, counted: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """At every position a of one text (tokens [L]): how many of the proposals `lookup` makes from `tokens[: a +
+        1]` equal the tokens that follow, in a row from the first: what a verify at T = 0 accepts of them where the
+        text is the target's own. Filler slots never count (they are not taken from the text), nor do tokens that
+        `counted` [L] (bool) leaves out, nor any after one of them. -> [L] long, in 0..slots(block_size)."""
+        length, width = len(tokens), self.slots(block_size)
+        follow = self.follows(tokens)
+        anchor = torch.arange(length, device=tokens.device)[:, None]
+        step = torch.arange(width, device=tokens.device)
+        source, target = follow[:, None] + step, anchor + 1 + step  # the proposal's token and the one it stands for
+        ok = (follow[:, None] >= 0) & (source <= anchor) & (target < length)
+
+        def at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # index_select: a 2-d index is slow on CPU
+            return values.index_select(0, index.clamp(0, length - 1).flatten()).view(index.shape)
+
+        ok &= at(tokens, source) == at(tokens, target)
+        if counted is not None:
+            ok &= at(counted.bool(), target)
+        return ok.long().cumprod(-1).sum(-1)

@@ -306,6 +306,54 @@ def test_target_pass_small_times_each_mode_against_the_first(tmp_path):
     assert 0 < row["min_ms"] <= row["median_ms"] and row["warmup_s"] > 0 and row["max_abs_diff_vs_first"] == 0.0
 
 
+# ---------------------------------------------------------------------------------------------- copyable_anchors.py
+def test_copyable_anchors_counts_what_lookup_at_each_anchor_gets(tmp_path):
+    """The script's histogram of matched lengths against prompt lookup run on each anchor's prefix alone, counting its
+    proposals while they equal the trained tokens that follow; the shares and means are read off that histogram."""
+    from dflash2.data.chat import load_conversations, tokenize_conversations
+    from dflash2.lookup import PromptLookup
+
+    rng = random.Random(random.randrange(2**31))
+    words = ["alpha", "beta", "gamma", "delta", "x", "=", "1", "+", "2"]
+    records = []
+    for i in range(4):
+        question = " ".join(rng.choices(words, k=rng.randint(3, 12)))
+        reply = f"{question}, so {question} again: " + " ".join(rng.choices(words, k=rng.randint(2, 10)))
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        records.append({"id": str(i), "messages": messages})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out, cache, block_size = tmp_path / "copyable.json", str(tmp_path / "cache"), 4
+    script = load("copyable_anchors")
+    args = [f"{path}:3", "--block-size", "4", "--max-length", "200", "--max-anchors", "5", "--weights", "4"]
+    result = script.main([*args, "--cache-dir", cache, "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["command"].endswith(f"--out {out}")
+    (file,) = result["files"]
+    assert file["conversations"] == 3 and file["limit"] == 3  # the first 3 of the file's 4
+
+    chats = load_conversations(str(path), 3)
+    stat = path.stat()
+    key = f"{path.absolute()}|{stat.st_size}|{stat.st_mtime_ns}|limit=3|n=3"
+    rows = tokenize_conversations(chats, script.tokenizer_of(None), 200, key, None, cache)
+    histogram = [0] * block_size
+    lookup = PromptLookup(filler=-1)
+    for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
+        for a in range(len(ids) - 1):
+            if mask[a] and mask[a + 1]:
+                proposal = lookup.lookup(torch.tensor([ids[: a + 1]]), torch.tensor([a + 1]), block_size)[0].tolist()
+                n = 0
+                while n < block_size - 1 and a + 1 + n < len(ids) and mask[a + 1 + n] and proposal[n] == ids[a + 1 + n]:
+                    n += 1
+                histogram[n] += 1
+    assert file["matched_histogram"] == histogram and sum(histogram[1:]) > 0  # the replies repeat their questions
+    anchors = sum(histogram)
+    assert file["anchor_positions"] == anchors and file["copyable_share"] == pytest.approx(sum(histogram[1:]) / anchors)
+    mean = sum(n * c for n, c in enumerate(histogram)) / sum(histogram[1:])
+    assert file["mean_matched_copyable"] == pytest.approx(mean)
+    drawn = file["drawn_copyable_share"]
+    assert set(drawn) == {"1", "4"} and all(0 <= v <= 1 for v in drawn.values())
+
+
 # ---------------------------------------------------------------------------------------------- copy_gap.py
 def test_copy_gap_splits_a_drafters_steps_by_what_lookup_gets_there(tmp_path):
     """A hand-made run: prompt [1 2 3 4 1], output [2 3 4 9 9] in steps of 1, 1, 2 tokens (output[0] from the prefill).

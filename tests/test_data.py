@@ -4,17 +4,26 @@ import gzip
 import importlib.util
 import json
 import logging
+import math
 import random
 import string
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash2.data.anchors import block_labels, block_mask_mod, dense_block_mask, flex_block_mask, sample_anchors
+from dflash2.data.anchors import (
+    CopyAnchors,
+    block_labels,
+    block_mask_mod,
+    dense_block_mask,
+    flex_block_mask,
+    sample_anchors,
+)
 from dflash2.data.chat import load_conversations, render
-from dflash2.data.datamodule import DFlashDataModule, Draw
+from dflash2.data.datamodule import AnchoredRows, DFlashDataModule, Draw
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -240,6 +249,150 @@ def test_anchors_are_resampled():
     assert len(draws) == 3
     same = [sample_anchors(mask, 64, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(*same)
+
+
+def test_default_anchors_are_drawn_as_a_seeded_permutation_of_the_valid_positions():
+    """Without data.copy_anchor_weight the draw is the one it has always been: the first max_anchors of a permutation
+    of the valid positions, from the same generator (AnchoredRows seeds it from (seed, row, epoch))."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for _ in range(10):
+        length, n, seed = int(torch.randint(2, 400, (), generator=gen)), int(torch.randint(1, 80, (), generator=gen)), 7
+        mask = random_mask(length, gen)
+        valid = torch.tensor([a for a in range(length - 1) if mask[a] and mask[a + 1]], dtype=torch.long)
+        want = valid[torch.randperm(len(valid), generator=torch.Generator().manual_seed(seed))[:n]].sort().values
+        assert torch.equal(sample_anchors(mask, n, torch.Generator().manual_seed(seed)), want)
+    rows = datasets.Dataset.from_dict({"input_ids": [list(range(300))], "loss_mask": [random_mask(300, gen).tolist()]})
+    data = AnchoredRows(rows, 16, seed=3, fresh=True)
+    mask = torch.tensor(rows[0]["loss_mask"])
+    for epoch in range(3):
+        key = (3 * 1_000_003 + 0) * 1_009 + epoch + 1
+        want = sample_anchors(mask, 16, torch.Generator().manual_seed(key))
+        assert torch.equal(data[Draw(0, epoch)]["anchors"], want)
+
+
+# A hand-made chat: a prompt, a reply that copies a stretch of it, a user turn, a second reply. Prompt lookup
+# (n-grams up to 3, the latest earlier copy) from the tokens up to each anchor, at B = 4 (3 proposals):
+#   7 (10): [10] at 0 -> proposes 11 12 13, the reply goes on 11 12 13: 3 match
+#   8 (11): [10 11] at 0 -> 12 13 14 against 12 13 21: 2
+#   9 (12): [10 11 12] at 0 -> 13 14 15 against 13 21 22: 1
+#  10 (13): [11 12 13] at 1 -> 14 15 20 against 21: 0, the reply leaves the copy
+#  14 (20): [20] at 6 -> 10 11 12 against 24: 0
+#  19 (24): [24] at 15 -> 25 30 31 against 25 26: 1
+#  20 (25): [24 25] at 15 -> 30 31 24 against 26: 0
+# and nothing recurs at 6, 11, 12, 13, 15. The valid anchors (the token and the next trained): 6..15, 19, 20.
+HAND_IDS = [10, 11, 12, 13, 14, 15, 20, 10, 11, 12, 13, 21, 22, 23, 20, 24, 25, 30, 31, 24, 25, 26]
+HAND_MASK = [0] * 6 + [1] * 11 + [0, 0] + [1] * 3
+HAND_VALID = [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 19, 20]
+HAND_MATCHED = {7: 3, 8: 2, 9: 1, 19: 1}  # the rest: 0
+
+
+def copy_weights_loop(ids: list[int], mask: list[int], block_size: int, weight: float, min_match: int) -> dict:
+    """Each valid anchor's weight, plainly: prompt lookup's proposals from ids[: a + 1] (the longest n <= 3 whose last
+    n tokens occur earlier, the latest such occurrence), counted while they equal the trained tokens that follow."""
+    out = {}
+    for a in range(len(ids) - 1):
+        if not (mask[a] and mask[a + 1]):
+            continue
+        seen, proposal = ids[: a + 1], []
+        for n in (3, 2, 1):
+            starts = [s for s in range(len(seen) - n) if seen[s : s + n] == seen[len(seen) - n :]]
+            if starts:
+                proposal = seen[starts[-1] + n :][: block_size - 1]
+                break
+        matched = 0
+        while matched < len(proposal) and a + 1 + matched < len(ids) and mask[a + 1 + matched]:
+            if proposal[matched] != ids[a + 1 + matched]:
+                break
+            matched += 1
+        out[a] = weight if matched >= min_match else 1.0
+    return out
+
+
+def inclusion_loop(weights: dict, draws: int) -> dict:
+    """P(anchor drawn) when `draws` anchors are drawn one at a time, each in proportion to the weights of those not
+    drawn yet: summed over every ordered sequence of draws."""
+    chance = dict.fromkeys(weights, 0.0)
+
+    def walk(left: dict, p: float, depth: int) -> None:
+        if depth == draws:
+            return
+        total = sum(left.values())
+        for a, w in left.items():
+            chance[a] += p * w / total
+            walk({b: v for b, v in left.items() if b != a}, p * w / total, depth + 1)
+
+    walk(weights, 1.0, 0)
+    return chance
+
+
+@pytest.mark.parametrize("min_match", [1, 2])
+def test_copy_anchor_weights_and_draws_are_the_loops_on_a_hand_made_chat(min_match):
+    ids, mask = torch.tensor(HAND_IDS), torch.tensor(HAND_MASK)
+    copy = CopyAnchors(4.0, block_size=4, min_match=min_match)
+    want = copy_weights_loop(HAND_IDS, HAND_MASK, 4, 4.0, min_match)
+    assert sorted(want) == HAND_VALID
+    copyable = sorted(a for a, m in HAND_MATCHED.items() if m >= min_match)
+    assert sorted(a for a, w in want.items() if w == 4.0) == copyable
+    matched = copy.lookup.matched_lengths(ids, 4, counted=mask)
+    assert {a: int(matched[a]) for a in HAND_VALID} == {a: HAND_MATCHED.get(a, 0) for a in HAND_VALID}
+    weights = copy(ids, mask)
+    assert {a: float(weights[a]) for a in HAND_VALID} == want
+
+    # One anchor: drawn in proportion to its weight. Three: each drawn with the successive-draw chance. Empirical
+    # frequencies over 10,000 seeded draws (standard error <= 0.005) within 0.025 of the loop's chances (uniform
+    # draws would be 0.08 off at one anchor).
+    if min_match > 1:
+        return  # the draw does not depend on how the weights came about
+    seed = random.randrange(2**31)
+    for count in (1, 3):
+        chance = inclusion_loop(want, count)
+        if count == 1:
+            assert all(math.isclose(chance[a], w / sum(want.values())) for a, w in want.items())
+        hits = dict.fromkeys(want, 0)
+        for i in range(10_000):
+            for a in sample_anchors(mask, count, torch.Generator().manual_seed(seed + i), weights).tolist():
+                hits[a] += 1
+        assert sum(hits.values()) == 10_000 * count
+        for a in want:
+            assert abs(hits[a] / 10_000 - chance[a]) < 0.025, f"seed {seed}: anchor {a}, count {count}"
+
+
+def test_copy_anchors_are_drawn_per_row_and_epoch_from_the_rows_own_tokens():
+    """AnchoredRows with `copy`: the weighted draw of the row's weights from the generator of (seed, row, epoch), so
+    new every epoch and the same whichever rank or worker fetches it; a row cut after its last trained token (the
+    feature cache's) weighs its positions as the whole row does."""
+    copy = CopyAnchors(4.0, block_size=4)
+    rows = datasets.Dataset.from_dict({"input_ids": [HAND_IDS], "loss_mask": [HAND_MASK]})
+    data = AnchoredRows(rows, 3, seed=5, fresh=True, copy=copy)
+    ids, mask = torch.tensor(HAND_IDS), torch.tensor(HAND_MASK)
+    draws = set()
+    for epoch in range(6):
+        generator = torch.Generator().manual_seed((5 * 1_000_003 + 0) * 1_009 + epoch + 1)
+        want = sample_anchors(mask, 3, generator, copy(ids, mask))
+        got = data[Draw(0, epoch)]["anchors"]
+        assert torch.equal(got, want) and torch.equal(data[Draw(0, epoch)]["anchors"], got)
+        draws.add(tuple(got.tolist()))
+    assert len(draws) > 1
+    longer, untrained = torch.tensor(HAND_IDS + [10, 11, 12]), torch.tensor(HAND_MASK + [0, 0, 0])
+    assert torch.equal(copy(longer, untrained)[: len(HAND_IDS)], copy(ids, mask))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(weight=0), "data.copy_anchor_weight=0: .* a number > 0"),
+        (dict(weight=-2.0), "data.copy_anchor_weight=-2.0"),
+        (dict(weight=float("inf")), "data.copy_anchor_weight=inf"),
+        (dict(weight="high"), "data.copy_anchor_weight='high'"),
+        (dict(weight=True), "data.copy_anchor_weight=True"),
+        (dict(weight=4, min_match=0), "data.copy_anchor_min_match=0: .* from 1 to 3"),
+        (dict(weight=4, min_match=4), r"data.copy_anchor_min_match=4: .* from 1 to 3 \(block_size=4"),
+        (dict(weight=4, min_match=1.5), "data.copy_anchor_min_match=1.5"),
+    ],
+)
+def test_bad_copy_anchor_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CopyAnchors(block_size=4, **kwargs)
 
 
 def test_labels_are_the_tokens_at_the_same_position():
@@ -523,6 +676,37 @@ def test_train_anchors_change_and_validation_anchors_do_not(tokenizer, tmp_path,
     val_a, val_b = list(dm.val_dataloader()), list(dm.val_dataloader())
     for x, y in zip(val_a, val_b, strict=True):
         assert torch.equal(x["anchors"], y["anchors"]) and torch.equal(x["labels"], y["labels"])
+
+
+def test_copy_anchor_weight_reweighs_training_anchors_only(tokenizer, tmp_path, cache):
+    """data.copy_anchor_weight: the training draws are the weighted ones of each row's copy weights; validation keeps
+    the uniform anchors, the same as without it (so its metrics compare across runs); 1 is the uniform draw."""
+    rng = random.Random(random.randrange(2**63))
+    records = [{"id": f"c{i}", "messages": random_chat(rng, turns=6)} for i in range(10)]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    sizes = dict(max_length=200, max_anchors=8)
+    plain, weighted = (make_module(tokenizer, path, cache, copy_anchor_weight=w, **sizes) for w in (1, 8.0))
+    for dm in (plain, weighted):
+        dm.setup("fit")
+    assert plain.copy is None and weighted.copy == CopyAnchors(8.0, block_size=4)
+    uniform, drawn = plain.train_dataloader().dataset, weighted.train_dataloader().dataset
+    assert uniform.copy is None and drawn.copy is weighted.copy
+    differ = 0
+    for row in range(len(drawn)):
+        for epoch in range(2):
+            got, fetched = drawn[Draw(row, epoch)], uniform[Draw(row, epoch)]
+            key = (weighted.hparams.seed * 1_000_003 + row) * 1_009 + epoch + 1
+            weights = weighted.copy(got["input_ids"], got["loss_mask"])
+            want = sample_anchors(got["loss_mask"], 8, torch.Generator().manual_seed(key), weights)
+            assert torch.equal(got["anchors"], want)
+            differ += not torch.equal(got["anchors"], fetched["anchors"])
+    assert differ > 0
+    for x, y in zip(plain.val_dataloader(), weighted.val_dataloader(), strict=True):
+        assert torch.equal(x["anchors"], y["anchors"])
+    with pytest.raises(ValueError, match="data.copy_anchor_weight=0"):
+        make_module(tokenizer, path, cache, copy_anchor_weight=0)
+    with pytest.raises(ValueError, match="data.copy_anchor_min_match=4"):
+        make_module(tokenizer, path, cache, copy_anchor_weight=2, copy_anchor_min_match=4)
 
 
 def test_cached_preparation_and_source_log(tokenizer, tmp_path, cache, caplog):

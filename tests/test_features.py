@@ -137,6 +137,31 @@ def build_data_with(cfg, target, draft, folder: Path):
     return build_data(cfg, target, draft)
 
 
+def test_copy_weighted_training_anchors_are_drawn_alike_from_the_cache(setup):
+    """data.copy_anchor_weight with data.features: the cache holds every position training reads, so the weighted
+    draws from its rows (cut after their last trained token) are the online run's, row by row and epoch by epoch."""
+    from omegaconf import open_dict
+
+    from dflash2.data.datamodule import Draw
+
+    cfg, target, draft, rows, caches = setup
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.data.copy_anchor_weight, cfg.data.max_anchors = 4.0, 3  # fewer anchors than positions: the weights count
+    online, cached = build_data(cfg, target, draft), build_data_with(cfg, target, draft, caches["bf16"])
+    for data in (online, cached):
+        data.setup("fit")
+    a, b = online.train_dataloader().dataset, cached.train_dataloader().dataset
+    assert a.copy is not None and b.copy is not None and "features" in b[0]
+    shorter = 0
+    for row in range(len(a)):
+        for epoch in range(2):
+            x, y = a[Draw(row, epoch)], b[Draw(row, epoch)]
+            assert torch.equal(x["anchors"], y["anchors"])
+            shorter += len(y["input_ids"]) < len(x["input_ids"])
+    assert shorter > 0  # some rows were cut, and drew alike all the same
+
+
 def test_a_cache_of_other_settings_is_refused_by_the_setting_that_differs(setup, chats, tmp_path):
     cfg, target, draft, rows, caches = setup
     run = tmp_path / "run"

@@ -116,3 +116,66 @@ def test_decayed_self_distillation_is_the_loop(fused):
     assert torch.allclose(out.ce, loss, rtol=1e-5), f"seed {seed}"
     (grad,), (want,) = torch.autograd.grad(out.ce, hidden), torch.autograd.grad(loss, hidden)
     assert torch.allclose(grad, want, rtol=1e-4, atol=1e-7), f"seed {seed}"
+
+
+def test_late_slot_weight_is_a_factor_on_the_late_slots():
+    assert Objective().slot_scale(16) is None  # off: the weights as they are
+    assert Objective(late_slot_weight=3, late_slot_start=3).slot_scale(6).tolist() == [1, 1, 3, 3, 3]
+    assert Objective(late_slot_weight=0.5).slot_scale(8).tolist() == [1, 1, 1, 0.5, 0.5, 0.5, 0.5]  # from B // 2 = 4
+    assert Objective(late_slot_weight=2, late_slot_start=15).slot_scale(16).tolist() == [1] * 14 + [2]
+
+
+@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_late_slot_weight_multiplies_the_training_weights_and_leaves_the_metrics(position_weights, fused):
+    """With objective.late_slot_weight m from slot s: the trained loss is sum_i m_i w_i CE_i / sum_i m_i w_i, where w
+    are the weighting's own (decay's, or D-PACE's from the loop) and m_i = m on slots >= s, 1 before; the metrics'
+    loss_ce keeps the decay weights alone."""
+    seed = random.randrange(2**31)
+    hidden, labels, anchors, head, _ = losses_case(seed)
+    slots = labels.shape[-1]
+    objective = Objective(position_weights=position_weights, late_slot_weight=2.5, late_slot_start=3)
+    decay, scale = slot_weights(slots + 1, 2.0), objective.slot_scale(slots + 1)
+    args = (hidden, labels, anchors, head, head.shape[0], decay)
+    out = draft_losses(*args, fused=fused, dpace_alpha=objective.dpace, slot_scale=scale)
+    plain = draft_losses(*args, fused=fused, dpace_alpha=objective.dpace)
+
+    terms, weights = [], []
+    for block, ids in zip(hidden.flatten(0, 1), labels.flatten(0, 1), strict=True):
+        ce = [
+            torch.nn.functional.cross_entropy(block[k] @ head.T, ids[k]).item() if ids[k] != IGNORE else None
+            for k in range(slots)
+        ]
+        if position_weights == "dpace":
+            w = dpace_loop([math.exp(-c) if c is not None else 0.0 for c in ce], [c is not None for c in ce], 0.5)
+        else:
+            w = [math.exp(-k / 2.0) for k in range(slots)]  # slot k + 1: exp(-((k + 1) - 1) / gamma), gamma = 2
+        for k, c in enumerate(ce):
+            if c is not None:
+                factor = 2.5 if k + 1 >= 3 else 1.0  # slot k + 1
+                terms.append(factor * w[k] * c)
+                weights.append(factor * w[k])
+    assert math.isclose(float(out.ce), sum(terms) / sum(weights), rel_tol=1e-5), f"seed {seed}"
+    assert not math.isclose(float(out.ce), float(plain.ce), rel_tol=1e-6)
+    for key in ("ce_sum", "weight_sum"):
+        assert torch.equal(out.counts[key], plain.counts[key])
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(late_slot_weight=0), "objective.late_slot_weight=0: .* a number > 0"),
+        (dict(late_slot_weight=-1.5), "objective.late_slot_weight=-1.5"),
+        (dict(late_slot_weight="x"), "objective.late_slot_weight='x'"),
+        (dict(late_slot_weight=2, late_slot_start=0), "objective.late_slot_start=0: .* an integer >= 1"),
+        (dict(late_slot_weight=2, late_slot_start=2.5), "objective.late_slot_start=2.5"),
+    ],
+)
+def test_bad_late_slot_settings_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Objective(**settings)
+
+
+def test_a_late_slot_start_past_the_block_is_refused_with_the_block_size():
+    with pytest.raises(ValueError, match="objective.late_slot_start=16: a block of draft.block_size=16 has"):
+        Objective(late_slot_weight=2, late_slot_start=16).slot_scale(16)

@@ -475,6 +475,10 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
         ("trainer=fsdp", "module.feature_scaling=true .* FSDP"),
         ("model.compile=fast", "model.compile='fast': set it to true, false or one of torch.compile's modes"),
         ("data.drop_last=yes", "data.drop_last='yes': set it to true or false"),
+        ("data.copy_anchor_weight=0", "data.copy_anchor_weight=0: .* a number > 0"),
+        ("data.copy_anchor_min_match=4", r"data.copy_anchor_min_match=4: .* from 1 to 3 \(block_size=4"),
+        ("objective.late_slot_weight=-1", "objective.late_slot_weight=-1: .* a number > 0"),
+        ("objective.late_slot_start=4", "objective.late_slot_start=4: a block of draft.block_size=4"),
     ],
 )
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):

@@ -279,6 +279,41 @@ def test_prompt_lookup_proposes_what_the_ngram_rule_gives():
         assert propose(rows, max_ngram=max_n, min_ngram=min_n, num_tokens=k) == want
 
 
+def test_prompt_lookup_at_every_prefix_is_the_lookup_of_each_prefix():
+    """`follows` and `matched_lengths` (every prefix of one text at once, through an n-gram index) against `lookup`
+    run on each prefix alone: where its proposal starts, and how many of its proposals the text then confirms."""
+    # Hand-made: [1 2 3] recurs, so at the second 3 (position 6) the lookup proposes 4 5 (then the row ends).
+    text = torch.tensor([1, 2, 3, 4, 5, 2, 3, 4, 9])
+    lookup = PromptLookup()
+    assert lookup.follows(text).tolist() == [-1, -1, -1, -1, -1, 2, 3, 4, -1]
+    assert lookup.matched_lengths(text, 4).tolist() == [0, 0, 0, 0, 0, 2, 1, 0, 0]  # at 5: 3 4 | 9 breaks the third
+    counted = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1]).bool()  # an untrained token stops the count
+    assert lookup.matched_lengths(text, 4, counted).tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0]
+
+    seed = torch.seed() % 10_000
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(30):
+        length = int(torch.randint(1, 60, (), generator=g))
+        text = torch.randint(0, int(torch.randint(2, 6, (), generator=g)), (length,), generator=g) + 3
+        max_n = int(torch.randint(1, 5, (), generator=g))
+        min_n = int(torch.randint(1, max_n + 1, (), generator=g))
+        block_size = int(torch.randint(2, 10, (), generator=g))
+        k = int(torch.randint(1, block_size, (), generator=g))
+        lookup = PromptLookup(max_ngram=max_n, min_ngram=min_n, num_tokens=k, filler=-1)  # -1: no token of the text
+        counted = torch.rand(length, generator=g) < 0.9
+        proposals = lookup.lookup(text.expand(length, -1), torch.arange(1, length + 1), block_size)
+        follows, matched = lookup.follows(text), lookup.matched_lengths(text, block_size, counted)
+        for a in range(length):
+            proposal, f = proposals[a].tolist(), int(follows[a])
+            taken = [int(text[f + j]) if f >= 0 and f + j <= a and j < k else -1 for j in range(block_size - 1)]
+            assert proposal == taken, f"seed {seed}, at {a}"
+            n = 0
+            while n < block_size - 1 and a + 1 + n < length and counted[a + 1 + n] and proposal[n] == text[a + 1 + n]:
+                n += 1
+            assert matched[a] == n, f"seed {seed}, at {a}"
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

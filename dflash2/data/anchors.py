@@ -7,13 +7,17 @@ anchor and itself bidirectionally, never another block; a padded block sees only
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from dflash2.config import in_window
+from dflash2.contract import check_block_size
+from dflash2.lookup import PromptLookup
 
 IGNORE = -100  # the label of a slot that is not trained (cross-entropy's ignore_index); the losses read it here
 
@@ -24,14 +28,72 @@ def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:]).flatten()
 
 
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    max_anchors: int,
+    generator: torch.Generator | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """min(max_anchors, #valid) distinct sorted anchors among `valid_anchor_positions(loss_mask [L])`.
 
     A fixed count per sequence, not one proportional to its length: each target forward then supervises as many
-    blocks as its replies allow (SpecForge and the DFlash paper draw the same way)."""
+    blocks as its replies allow (SpecForge and the DFlash paper draw the same way). Uniformly, or with `weights`
+    [L] (> 0 at the valid positions, e.g. `CopyAnchors`') one at a time in proportion to the weights of the
+    positions not drawn yet (torch.multinomial without replacement)."""
     valid = valid_anchor_positions(loss_mask)
-    pick = torch.randperm(len(valid), generator=generator)[:max_anchors]
+    if weights is None:
+        pick = torch.randperm(len(valid), generator=generator)[:max_anchors]
+    elif len(valid) == 0:
+        pick = valid
+    else:
+        pick = torch.multinomial(weights[valid].double(), min(max_anchors, len(valid)), generator=generator)
     return valid[pick].sort().values
+
+
+def check_copy_anchors(weight: Any, min_match: Any, block_size: int | None = None) -> None:
+    """`data.copy_anchor_weight` must be a number > 0 (1 = uniform anchors, as without it), `data.copy_anchor_min_match`
+    an integer in 1..B-1 (B = `block_size` where known)."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (math.isfinite(weight) and weight > 0):
+        raise ValueError(
+            f"data.copy_anchor_weight={weight!r}: the weight of an anchor prompt lookup would continue, relative to "
+            "the others, must be a number > 0 (1 = every anchor alike, the default; e.g. 4 draws copyable anchors "
+            "4 times as often)"
+        )
+    top = math.inf if block_size is None else block_size - 1
+    if isinstance(min_match, bool) or not isinstance(min_match, int) or not 1 <= min_match <= top:
+        most = "B-1" if block_size is None else f"{top} (block_size={block_size} less the anchor)"
+        raise ValueError(
+            f"data.copy_anchor_min_match={min_match!r}: how many of prompt lookup's proposals must match the reply "
+            f"for an anchor to count as copyable, an integer from 1 to {most}; 1 = at least one accepted"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyAnchors:
+    """data.copy_anchor_weight: anchors drawn `weight` times as often where the reply repeats its context, i.e. where
+    prompt lookup (`dflash2.lookup.PromptLookup` with the settings of `evaluate.py drafter=pld`) would have at least
+    `min_match` of its proposals accepted: from the tokens up to the anchor, its first `min_match` proposals equal
+    the trained tokens that follow. The blocks there are what a drafter has to copy to accept as much as the lookup.
+    Computed once per fetched row, from its token ids alone (a few sorts; no target)."""
+
+    weight: float
+    block_size: int
+    min_match: int = 1
+    lookup: PromptLookup = PromptLookup()
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size, "block_size")
+        check_copy_anchors(self.weight, self.min_match, self.block_size)
+
+    def copyable(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """[L] bool: whether a block anchored there is copyable."""
+        matched = self.lookup.matched_lengths(input_ids, self.block_size, counted=loss_mask)
+        return matched >= self.min_match
+
+    def __call__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """[L] float64 weights for `sample_anchors`: `weight` at the copyable positions, 1 elsewhere."""
+        copyable = self.copyable(input_ids, loss_mask)
+        return torch.where(copyable, float(self.weight), 1.0).double()
 
 
 def _slots(anchors: torch.Tensor, block_size: int) -> torch.Tensor:

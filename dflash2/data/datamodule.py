@@ -15,7 +15,15 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, one_setting, same_kwargs
 from dflash2.contract import check_block_size
-from dflash2.data.anchors import IGNORE, block_ids, block_labels, block_positions, sample_anchors
+from dflash2.data.anchors import (
+    IGNORE,
+    CopyAnchors,
+    block_ids,
+    block_labels,
+    block_positions,
+    check_copy_anchors,
+    sample_anchors,
+)
 from dflash2.data.chat import (
     _same_file,
     load_conversations,
@@ -42,7 +50,9 @@ class AnchoredRows(Dataset):
     validation metrics are comparable across steps); with `fresh`, from (`seed`, epoch, row) too: new ones every
     epoch, the same whichever rank or dataloader worker fetches the row. An int index is a `Draw` of epoch 0; with
     `seed=None` its anchors come from torch's global RNG. With `features` (data.features) each row carries the
-    target's cached features."""
+    target's cached features. With `copy` (data.copy_anchor_weight) the anchors are drawn by its weights of the row's
+    positions, computed from the row as fetched: cut to its cached positions or whole, the same weights, as no token
+    after the last trained one counts in them."""
 
     def __init__(
         self,
@@ -51,10 +61,12 @@ class AnchoredRows(Dataset):
         seed: int | None,
         fresh: bool = False,
         features: FeatureStore | None = None,
+        copy: CopyAnchors | None = None,
     ):
         columns = ["input_ids", "loss_mask"] + ([] if features is None else ["feature_row"])
         self.rows = rows.with_format("torch", columns=columns)
         self.max_anchors, self.seed, self.fresh, self.features = max_anchors, seed, fresh, features
+        self.copy = copy
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,7 +80,8 @@ class AnchoredRows(Dataset):
         if self.seed is not None:
             key = self.seed * 1_000_003 + draw.row
             generator = torch.Generator().manual_seed(key * 1_009 + draw.epoch + 1 if self.fresh else key)
-        anchors = sample_anchors(row["loss_mask"], self.max_anchors, generator)
+        weights = None if self.copy is None else self.copy(row["input_ids"], row["loss_mask"])
+        anchors = sample_anchors(row["loss_mask"], self.max_anchors, generator, weights)
         return {
             "input_ids": row["input_ids"].long(),
             "loss_mask": row["loss_mask"].long(),
@@ -273,9 +286,12 @@ class DFlashDataModule(L.LightningDataModule):
         extra_paths: list[str] | tuple[str, ...] = (),
         features: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        copy_anchor_weight: float = 1.0,
+        copy_anchor_min_match: int = 1,
     ):
         super().__init__()
         check_block_size(block_size)
+        check_copy_anchors(copy_anchor_weight, copy_anchor_min_match, block_size)
         chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"data.{KWARGS_KEY}")
         if not 0 <= mask_token_id < len(tokenizer):
             raise ValueError(f"mask_token_id={mask_token_id} is outside the tokenizer's {len(tokenizer)} ids")
@@ -290,6 +306,10 @@ class DFlashDataModule(L.LightningDataModule):
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = tokenizer
         self.features = None if features is None else FeatureStore(features)  # the target's, cached
+        # Training anchors only: validation keeps drawing every position alike, so its metrics compare across runs.
+        self.copy = (
+            None if copy_anchor_weight == 1 else CopyAnchors(copy_anchor_weight, block_size, copy_anchor_min_match)
+        )
         self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0, pad_to_multiple_of)
         self._prepared: tuple[datasets.Dataset, list[datasets.Dataset]] | None = None
         self.train_rows: datasets.Dataset | None = None
@@ -365,7 +385,8 @@ class DFlashDataModule(L.LightningDataModule):
         """data.batch_size rows per batch on each rank: under DDP the global batch is their sum, and the ranks train
         the global batches one process of that batch size trains, rows and anchors alike (GlobalBatchSampler)."""
         h = self.hparams
-        data = AnchoredRows(rows, h.max_anchors, seed=h.seed, fresh=train, features=self.features)
+        copy = self.copy if train else None
+        data = AnchoredRows(rows, h.max_anchors, seed=h.seed, fresh=train, features=self.features, copy=copy)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         # validation always sees every chat
         sampler = GlobalBatchSampler(data, world, rank, train, h.seed, h.batch_size, drop_last=train and h.drop_last)

@@ -86,14 +86,18 @@ def check_config(cfg: DictConfig) -> None:
             )
     check_module_knobs(cfg.module, cfg.trainer.get("strategy"))
     check_fsdp_device(cfg.trainer)
-    build(cfg.objective)
+    objective = build(cfg.objective)
     build(cfg.optim)
     compile_mode(cfg.model.get("compile"))
+    from dflash2.data.anchors import check_copy_anchors
     from dflash2.data.datamodule import check_drop_last, check_pad_to_multiple_of
 
     check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
     check_drop_last(cfg.data.get("drop_last", False))
     planned = draft_config(OmegaConf.merge(cfg.draft, warm_start_fields(cfg.module)), target_config_fields(cfg.model))
+    objective.slot_scale(planned.block_size)  # the late slots' start must fit the block
+    copy = cfg.data.get("copy_anchor_weight", 1.0), cfg.data.get("copy_anchor_min_match", 1)
+    check_copy_anchors(*copy, planned.block_size)
     if cfg.data.get("features"):  # a cache of another target, layers, template or data is refused before it loads
         from dflash2.data.feature_store import check_cache
 

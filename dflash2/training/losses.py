@@ -16,6 +16,9 @@ Position weights. Each trained slot's loss is weighted, and the weights normalis
   decoding reaches slot k times the length it can still add, a surrogate of the expected accepted length that moves
   the training signal to the slots that currently limit acceptance. The weights are detached: they reshape the credit,
   never add a gradient. A slot that is not trained neither counts in the products nor gets a weight.
+Either weighting can be raised on the late slots: `objective.late_slot_weight` m multiplies the weight of every slot
+k >= `objective.late_slot_start` (off at m = 1). Both weightings give those slots the least credit, yet a block that
+continues a repeat of its context is accepted in full only if they are right.
 The metrics' `loss_ce` and `loss_selector` always use the `decay` weights, so that runs with other weightings compare.
 
 `acc_k` and `tau_sim` score what decoding proposes, teacher-forced: the head's argmax for a DFlash drafter, the
@@ -287,6 +290,7 @@ def draft_losses(
     trained: int | None = None,
     dpace_alpha: float | None = None,
     rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> DraftLosses:
     """Losses of the proposing slots.
 
@@ -298,6 +302,8 @@ def draft_losses(
     that are not IGNORE, when the caller knows it without reading the device (`trained_slots` of the batch on the
     host); the trained rows are then gathered without the device sync of a boolean index. `dpace_alpha`: train with
     the D-PACE weights of that smoothing instead of `weights` (module docstring); the metrics keep `weights`.
+    `slot_scale` [B-1]: factors on each slot's training weight, after D-PACE's (`Objective.slot_scale`: the late
+    slots'); the metrics keep `weights` here too.
     `rank_mean`: under data parallelism, the mean over the ranks of a tensor (an all-reduce). Each loss is then this
     rank's share of the global batch's weighted mean: its rows' weighted sum over the ranks' mean sum of weights, so
     that the mean over the ranks of the losses, and of their gradients (what DDP averages), is the global batch's,
@@ -328,6 +334,8 @@ def draft_losses(
     if dpace_alpha is not None:  # on the block grid, where a slot's weight depends on the slots before and after it
         confidence = torch.ones(labels.numel(), device=h.device).index_put((at,), torch.exp(-ce_rows))
         w_train = dpace_weights(confidence.view_as(labels), valid, dpace_alpha).flatten()[at]
+    if slot_scale is not None:
+        w_train = w_train * slot_scale.to(h.device)[k]
     ce = (out.rows * w_train).sum() / _global(w_train.sum(), rank_mean)
 
     per_slot = torch.zeros(slots, device=h.device)

@@ -116,6 +116,7 @@ class DFlash2Module(L.LightningModule):
             freeze_backbone(self.draft)
         weights = slot_weights(self.draft.config.block_size, self.objective.loss_gamma)
         self.register_buffer("slot_weights", weights, persistent=False)
+        self.register_buffer("slot_scale", self.objective.slot_scale(self.draft.config.block_size), persistent=False)
         slots, has_selector = self.draft.config.block_size - 1, self.draft.candidate_selector is not None
         self.val_metrics = DraftMetrics(slots, has_selector, self.objective.distill > 0)
         self.latest_metrics: dict[str, float] = {}
@@ -207,6 +208,7 @@ class DFlash2Module(L.LightningModule):
                 trained=batch.get("trained_slots"),
                 dpace_alpha=self.objective.dpace,
                 rank_mean=rank_mean,
+                slot_scale=self.slot_scale,
             )
 
     def current_selector_alpha(self) -> float:

@@ -25,6 +25,8 @@ class Objective:
     loss_gamma: float | None = None  # slot weight decay exp(-(k-1)/gamma); None = the published value for B
     position_weights: str = "dpace"  # the slots' loss weights: "dpace" (D-PACE) or "decay" (exp(-(k-1)/gamma))
     dpace_alpha: float = 0.5  # D-PACE's smoothing of the drafter's confidence, in (0, 1]
+    late_slot_weight: float = 1.0  # the training weights of slots >= late_slot_start times this (1 = as they are)
+    late_slot_start: int | None = None  # the first slot it multiplies, 1..B-1; None = the later half, slot B // 2 on
     selector_alpha: float = 1.0  # the selector loss's weight ...
     selector_warmup_steps: int = 0  # ... 0 for this many steps ...
     selector_ramp_steps: int = 0  # ... then ramped linearly over this many
@@ -48,6 +50,18 @@ class Objective:
             raise ValueError(f"objective.dpace_alpha={self.dpace_alpha}: it must be in (0, 1], e.g. 0.5")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ValueError(f"objective.loss_gamma={self.loss_gamma}: it must be > 0, or null for the published one")
+        w = self.late_slot_weight
+        if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
+            raise ValueError(
+                f"objective.late_slot_weight={w!r}: the factor on the late slots' loss weights must be a number > 0 "
+                "(1 = the weights as they are; e.g. 2 doubles the weight of slots >= objective.late_slot_start)"
+            )
+        start = self.late_slot_start
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 1):
+            raise ValueError(
+                f"objective.late_slot_start={start!r}: the first slot objective.late_slot_weight multiplies must be "
+                "an integer >= 1 (slot 1 is the one after the anchor), or null for the later half of the block"
+            )
         for name in ("selector_warmup_steps", "selector_ramp_steps", "logits_chunk_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"objective.{name}={getattr(self, name)}: it must be >= 0")
@@ -56,6 +70,20 @@ class Objective:
     def dpace(self) -> float | None:
         """D-PACE's smoothing when the slots are weighted by it, else None (`draft_losses`' `dpace_alpha`)."""
         return self.dpace_alpha if self.position_weights == "dpace" else None
+
+    def slot_scale(self, block_size: int) -> torch.Tensor | None:
+        """The factors [B-1] of the proposing slots' training weights (`draft_losses`' `slot_scale`):
+        `late_slot_weight` on slots k >= `late_slot_start`, 1 before; None when it is 1 (the weights as they are)."""
+        start = block_size // 2 if self.late_slot_start is None else self.late_slot_start
+        if start > block_size - 1:
+            raise ValueError(
+                f"objective.late_slot_start={start}: a block of draft.block_size={block_size} has proposing slots "
+                f"1..{block_size - 1}; lower objective.late_slot_start"
+            )
+        if self.late_slot_weight == 1:
+            return None
+        slots = torch.arange(1, block_size)
+        return torch.where(slots >= start, float(self.late_slot_weight), 1.0)
 
     def alpha(self, step: int) -> float:
         """The selector loss's weight at optimizer step `step`."""
