@@ -1,5 +1,5 @@
 """What a newcomer runs first, as the README orders it: torch's CPU build before the install, then a like-for-like
-first evaluation of the shipped, fully trained drafter."""
+first evaluation of the shipped, fully trained drafter; and every command the README and docs/ show composes."""
 
 from __future__ import annotations
 
@@ -7,13 +7,26 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The config each documented command composes.
+CONFIGS = {
+    "train.py": "train",
+    "export.py": "export",
+    "evaluate.py": "evaluate",
+    "-m dflash2.data.regenerate": "regenerate",
+    "-m dflash2.data.sources": "sources",
+    "-m dflash2.data.recipe": "recipe",
+    "-m dflash2.data.features": "features",
+}
 SHIPPED = "artifacts/drafters/smollm2-dflash"
 
 
 def commands(text: str) -> list[str]:
-    """The shell lines of the README's ```bash blocks, in order, comments dropped."""
+    """The shell lines of a page's ```bash blocks, in order, comments dropped."""
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
 
@@ -45,3 +58,34 @@ def test_the_first_evaluation_is_the_shipped_drafter_beside_prompt_lookup_at_its
 
     assert int(settings[1].get("block_size", PLD_BLOCK_SIZE)) == block  # like for like
     assert "What the quickstart's drafter is for" in section("Quickstart")
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, config name, overrides) of every `python <entry point> k=v ...` line in the pages' ```bash blocks;
+    a line with a placeholder for several settings (`<the run's settings>`, `[dtype=fp8]`) is left out."""
+    found = []
+    for page in PAGES:
+        for line in commands(page.read_text()):
+            for entry, config in CONFIGS.items():
+                head = f"python {entry}"
+                if line.startswith(head) and (line == head or line[len(head)] == " "):
+                    rest = re.sub(r"<[^<>]*>", "PLACEHOLDER", line[len(head) :])  # <date>_<time>, <sweep dir>
+                    words = rest.split()
+                    if "-m" in words:  # a sweep: its first combination
+                        words = [re.sub(r"=([^\[,]+),.*", r"=\1", w) for w in words if w != "-m"]
+                    if all("=" in w and not w.startswith("[") for w in words):
+                        found.append((page.name, config, words))
+    return found
+
+
+def test_the_pages_show_the_main_commands():
+    configs = {config for _, config, _ in documented_commands()}
+    assert {"train", "export", "evaluate", "regenerate", "recipe"} <= configs, configs
+
+
+@pytest.mark.parametrize("page,config,overrides", documented_commands())
+def test_every_documented_command_names_settings_that_exist(page: str, config: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        compose(config, overrides=overrides)  # an unknown key or group option raises here
