@@ -67,7 +67,7 @@ report() {  # the summaries and acceptance_vs_pld.json from what the grid (and t
   local d
   for d in sweeps speed; do
     [ -d "$W/$d" ] || continue
-    python -c "from dflash2.sweep import summarize_sweep as s; print(s('$W/$d').to_string(index=False))" \
+    python -c "from dflash2.evaluation.sweep import summarize_sweep as s; print(s('$W/$d').to_string(index=False))" \
       > "$W/$d/summary.txt"
   done
   # shellcheck disable=SC2046  # one word per file

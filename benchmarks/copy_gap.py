@@ -4,12 +4,12 @@ from the same committed tokens, read from the samples of a T=0 evaluation sweep.
     python benchmarks/copy_gap.py SWEEP_DIR [SWEEP_DIR ...] [--out FILE]
 
 At T=0 the output is the target's greedy text whatever proposes, so each step of a drafter's run can be replayed:
-its committed tokens are the prompt and the output up to the step's anchor, and prompt lookup (`dflash2.lookup`, the
-settings `evaluate.py drafter=pld` uses) proposes from them; its accept length there is 1 + the proposals that match
-the output that follows. A step is "copyable" when that lookup would have had at least one proposal accepted. Per
-run (bench x drafter): the drafter's tau, the share of copyable steps, the drafter's tau on copyable and on other
-steps, and the lookup's tau on the same copyable steps. A drafter that uses its context accepts about as much as
-the lookup where the text repeats itself.
+its committed tokens are the prompt and the output up to the step's anchor, and prompt lookup
+(`dflash2.decoding.lookup`, the settings `evaluate.py drafter=pld` uses) proposes from them; its accept length there
+is 1 + the proposals that match the output that follows. A step is "copyable" when that lookup would have had at
+least one proposal accepted. Per run (bench x drafter): the drafter's tau, the share of copyable steps, the drafter's
+tau on copyable and on other steps, and the lookup's tau on the same copyable steps. A drafter that uses its context
+accepts about as much as the lookup where the text repeats itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dflash2.lookup import PromptLookup
+from dflash2.decoding.lookup import PromptLookup
 
 
 def lookup_accepts(

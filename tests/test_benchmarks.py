@@ -19,7 +19,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash2.data.anchors import dense_block_mask
-from dflash2.model import DraftCache
+from dflash2.model.drafter import DraftCache
 from dflash2.testing import tiny_target
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -311,8 +311,8 @@ def test_target_pass_small_times_each_mode_against_the_first(tmp_path):
 def test_copy_gap_replays_prompt_lookups_own_steps():
     """Replaying prompt lookup's own greedy run at its own anchors must give back every accept length it measured:
     the replay starts each step where the decode loop did and counts acceptance as the verify does."""
-    from dflash2 import speculative
-    from dflash2.lookup import PromptLookup
+    from dflash2.decoding import speculative
+    from dflash2.decoding.lookup import PromptLookup
 
     target = tiny_target()
     g = torch.Generator().manual_seed(torch.seed() % 10_000)
@@ -452,8 +452,8 @@ def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(c
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from dflash2.training import register_resolvers
     from dflash2.training.checks import check_config
+    from dflash2.training.run import register_resolvers
 
     ablation = load("ablation")
     register_resolvers()
@@ -523,7 +523,7 @@ def test_copy_probe_trains_on_loops_with_the_oracles_features(tmp_path):
 
 def test_random_weight_smollm2_has_the_embedded_targets_architecture():
     """--random-weights measures the SmolLM2 step without the GGUF: only if its architecture is the real one."""
-    from dflash2.target import load_target_config
+    from dflash2.target.model import load_target_config
 
     bench = load("train_throughput")
     bench.register_resolvers()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash2.config import in_window
+from dflash2.model.config import in_window
 
 IGNORE = -100  # the label of a slot that is not trained (cross-entropy's ignore_index); the losses read it here
 
