@@ -103,7 +103,7 @@ def train_summary(run_dir: Path) -> dict[str, Any]:
 
 def measured_tau(sweep_dir: Path) -> dict[str, float]:
     """bench -> measured tau of an evaluation sweep (its runs' results.json)."""
-    from dflash2.sweep import load_runs
+    from dflash2.evaluation.sweep import load_runs
 
     return {r["bench"]: float(r["tau"]) for r in load_runs(sweep_dir)} if sweep_dir.is_dir() else {}
 
@@ -143,8 +143,7 @@ def tokenize(overrides: list[str]) -> None:
     """Render and cache the chats as `train.py OVERRIDES` would, so that the runs started together only read it."""
     from hydra import compose, initialize_config_dir
 
-    from dflash2.training import register_resolvers
-    from dflash2.training.run import build_data, target_and_draft
+    from dflash2.training.run import build_data, register_resolvers, target_and_draft
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):

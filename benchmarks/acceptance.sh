@@ -67,7 +67,7 @@ report() {  # the summaries and acceptance_vs_pld.json from what the grid (and t
   local d
   for d in sweeps speed; do
     [ -d "$W/$d" ] || continue
-    python -c "from dflash2.sweep import format_summary as f, summarize_sweep as s; print(f(s('$W/$d')))" \
+    python -c "from dflash2.evaluation.sweep import format_summary as f, summarize_sweep as s; print(f(s('$W/$d')))" \
       > "$W/$d/summary.txt"
   done
   # shellcheck disable=SC2046  # one word per file

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from train_throughput import compose_preset  # noqa: E402
 
-from dflash2.bench import load_prompts  # noqa: E402
+from dflash2.data.benches import load_prompts  # noqa: E402
 from dflash2.data.chat import load_conversations, tokenize_conversations  # noqa: E402
 from dflash2.data.datamodule import AnchoredRows, BlockCollator  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Where a drafter loses to prompt lookup, for every greedy drafter run of evaluation sweeps, replayed from their
-samples (`dflash2.copy_gap`; evaluate.py records the same in each run's results.json, `copy_gap`).
+samples (`dflash2.evaluation.copy_gap`; evaluate.py records the same in each run's results.json, `copy_gap`).
 
     python benchmarks/copy_gap.py SWEEP_DIR [SWEEP_DIR ...] [--out FILE] [--max-ngram N]
 
@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash2.copy_gap import copy_gap, replayable
-from dflash2.lookup import PromptLookup
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.evaluation.copy_gap import copy_gap, replayable
 
 KEYS = ["tau", "copyable_share", "tau_copyable", "tau_other", "lookup_tau_copyable"]
 

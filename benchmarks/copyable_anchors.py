@@ -42,7 +42,7 @@ def tokenizer_of(model: str | None) -> Any:
     """The tokenizer (and chat template) a target's training renders with: the embedded SmolLM2's by default."""
     from transformers import AutoTokenizer
 
-    from dflash2.locate import smollm2_folder, target_source
+    from dflash2.target.locate import smollm2_folder, target_source
 
     path, kwargs = (str(smollm2_folder()), {}) if model is None else target_source(model, None)
     return AutoTokenizer.from_pretrained(path, **kwargs)

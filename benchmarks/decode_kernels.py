@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from dflash2 import kernels
+from dflash2.model import kernels
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import graph_ms, median_ms, print_table  # noqa: E402

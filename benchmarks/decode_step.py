@@ -1,4 +1,4 @@
-"""The target's decode step with transformers' SDPA and with dflash2's grouped attention (dflash2/attention.py).
+"""The target's decode step with transformers' SDPA and with dflash2's grouped attention (dflash2/target/attention.py).
 
     python benchmarks/decode_step.py [--batch 64 256 512] [--cache-len 3072] [--context 1024] [--out FILE]
     python benchmarks/decode_step.py --small --out /tmp/decode_step.json   # the tiny target: seconds on a CPU
@@ -28,7 +28,7 @@ import yaml
 from transformers import StaticCache
 
 from dflash2.groups import build
-from dflash2.target import TargetModel
+from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from dflash2.chat_template import render_chat
 from dflash2.data.chat import load_conversations
 from dflash2.data.feature_store import bytes_per_token, dequantize, quantize, scale_tokens
-from dflash2.target import TargetModel
+from dflash2.target.chat_template import render_chat
+from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ export_checked() {
 
 # check_benches LIST: every benchmark named in LIST (separated by , or ;) loads its prompts now, before hours of
 # training: a machine without PyPI needs the bench cache (~/.cache/dflash2/bench, about 1.3 MB) copied in beforehand,
-# or DFLASH2_CACHE pointed at a copy (dflash2/bench.py says where each file comes from).
+# or DFLASH2_CACHE pointed at a copy (dflash2/data/benches.py says where each file comes from).
 check_benches() {
   # shellcheck disable=SC2086  # one word per bench
-  python -c "import sys; from dflash2.bench import load_prompts; [load_prompts(b, limit=1) for b in sys.argv[1:]]" \
+  python -c "import sys; from dflash2.data.benches import load_prompts; [load_prompts(b, limit=1) for b in sys.argv[1:]]" \
     ${1//[,;]/ }
 }
 

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash2 import kernels
-from dflash2.config import DFlash2Config, default_target_layer_ids
-from dflash2.model import DFlash2DraftModel, DraftCache, RMSNorm, apply_rope
-from dflash2.selector import head_logits
+from dflash2.model import kernels
+from dflash2.model.config import DFlash2Config, default_target_layer_ids
+from dflash2.model.drafter import DFlash2DraftModel, DraftCache, RMSNorm, apply_rope
+from dflash2.model.selector import head_logits
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import graph_ms, median_ms, print_table  # noqa: E402

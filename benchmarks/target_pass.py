@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dflash2.target import TargetModel
+from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target
 
 

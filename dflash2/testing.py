@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from dflash2.cache import cache_root, model_folder
-from dflash2.config import DFlash2Config
-from dflash2.locate import smollm2_folder
+from dflash2.model.config import DFlash2Config
+from dflash2.target.locate import smollm2_folder
 
 TINY_QWEN3 = dict(
     hidden_size=64,
@@ -63,7 +63,7 @@ def tiny_target_path() -> str:
 
 def tiny_target(**kwargs: Any) -> Any:
     """`TargetModel.load` of the tiny target; `kwargs` as load takes them (target_layer_ids, device, ...)."""
-    from dflash2.target import TargetModel  # here: seconds of imports that callers of the path alone skip
+    from dflash2.target.model import TargetModel  # here: seconds of imports that callers of the path alone skip
 
     return TargetModel.load(tiny_target_path(), **{"name": "tiny", "mask_token_id": TINY_MASK_TOKEN_ID} | kwargs)
 

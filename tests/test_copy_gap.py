@@ -1,14 +1,14 @@
-"""The copy gap (dflash2.copy_gap): prompt lookup's accept length replayed at each step of a greedy run, checked on
-hand-made runs whose lookups are worked out by hand and against prompt lookup's own decoding."""
+"""The copy gap (dflash2.evaluation.copy_gap): prompt lookup's accept length replayed at each step of a greedy run,
+checked on hand-made runs whose lookups are worked out by hand and against prompt lookup's own decoding."""
 
 import random
 
 import pytest
 import torch
 
-from dflash2 import speculative
-from dflash2.copy_gap import copy_gap, lookup_accepts
-from dflash2.lookup import PromptLookup
+from dflash2.decoding import speculative
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.evaluation.copy_gap import copy_gap, lookup_accepts
 from dflash2.testing import tiny_target
 
 # Three hand-made runs at B = 4 (three proposals a step); output[0] comes from the prefill, each step anchors at the

@@ -191,7 +191,7 @@ def test_malformed_record_is_named(tmp_path, turn, problem):
 
 def test_packaged_sharegpt_never_yields_the_benchmark_tail(tmp_path, monkeypatch):
     import dflash2.data.chat as chat
-    from dflash2.bench import SHAREGPT_HELDOUT_RECORDS
+    from dflash2.data.benches import SHAREGPT_HELDOUT_RECORDS
 
     rng = random.Random(random.randrange(2**63))
     n = SHAREGPT_HELDOUT_RECORDS + rng.randint(2, 40)
@@ -521,7 +521,7 @@ def test_flex_kernel_options_agree_with_dense_attention_on_cuda():
     dense attention over the same mask in fp32: output and gradients, bf16 inputs, at heads of 64."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash2.model import FLEX_KERNEL_OPTIONS
+    from dflash2.model.drafter import FLEX_KERNEL_OPTIONS
 
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     context_len, block_size, dim = 700, 16, 64

@@ -23,8 +23,9 @@ from lightning.pytorch.callbacks import Callback
 from training_setup import config
 
 from dflash2.data.datamodule import BlockCollator, GlobalBatchSampler
-from dflash2.selector import CandidateSelector
-from dflash2.training import draft_losses, slot_weights, train
+from dflash2.model.selector import CandidateSelector
+from dflash2.training.losses import draft_losses, slot_weights
+from dflash2.training.run import train
 
 WORLD = 2
 ROWS = 3  # per rank; the single run takes WORLD * ROWS

@@ -14,12 +14,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dflash2 import DFlash2DraftModel
-from dflash2.copy_gap import lookup_accepts
-from dflash2.eval_report import COPY_GAP_KEYS, format_table
-from dflash2.evaluation import acceptance_stats, evaluate, read_tau_sim
-from dflash2.lookup import PromptLookup
-from dflash2.manifest import MANIFEST_KEY, build_manifest, target_identity
-from dflash2.sweep import COLUMNS, NOTE_SEPARATOR, copy_gap_figure, format_summary, summary_table
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.evaluation.copy_gap import lookup_accepts
+from dflash2.evaluation.report import COPY_GAP_KEYS, format_table
+from dflash2.evaluation.run import acceptance_stats, evaluate, read_tau_sim
+from dflash2.evaluation.sweep import COLUMNS, NOTE_SEPARATOR, copy_gap_figure, format_summary, summary_table
+from dflash2.target.manifest import MANIFEST_KEY, build_manifest, target_identity
 from dflash2.testing import tiny_draft_config, tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_results_agree_with_samples(tiny, tmp_path):
     assert results["draft"]["selector"] is True and results["draft"]["trained_block_size"] == 4
     assert results["target"] == target_identity("tiny", tiny.config, tiny.tokenizer)
     assert results["tokens_per_s"] > 0
-    # The copy gap: prompt lookup replayed at each step (dflash2.copy_gap), split by hand here.
+    # The copy gap: prompt lookup replayed at each step (dflash2.evaluation.copy_gap), split by hand here.
     looked = [n for s in samples for n in replay(s, 8)]
     copyable = [d for d, n in zip(lengths, looked, strict=True) if n > 1]
     other = [d for d, n in zip(lengths, looked, strict=True) if n == 1]
@@ -117,7 +117,7 @@ def replay(sample, block_size):
 
 def test_a_rerun_keeps_finished_runs_of_the_same_settings(tiny, tmp_path, monkeypatch):
     """A killed sweep resumes: a run folder whose results.json has the same settings is kept, anything else runs."""
-    from dflash2 import evaluation
+    from dflash2.evaluation import run as evaluation
 
     draft = export_draft(tiny, tmp_path / "draft")
     overrides = [f"drafter={draft}", "bench.limit=2", "max_new_tokens=6"]
@@ -136,7 +136,7 @@ def test_a_rerun_keeps_finished_runs_of_the_same_settings(tiny, tmp_path, monkey
 
 def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
     prompts = [{"id": "mt/1", "turns": ["Name a fruit.", "And a vegetable?"]}, {"id": "mt/2", "turns": ["Hi."]}]
-    monkeypatch.setattr("dflash2.bench.load_prompts", lambda name, limit=None: prompts)
+    monkeypatch.setattr("dflash2.data.benches.load_prompts", lambda name, limit=None: prompts)
     draft = export_draft(tiny, tmp_path / "draft", selector=False)
     cfg = config(f"drafter={draft}", "max_new_tokens=6", "selector=false", "temperature=1", "baseline=true")
     results = evaluate(cfg, tmp_path / "run")
@@ -154,7 +154,7 @@ def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
 def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path, monkeypatch):
     import statistics
 
-    from dflash2 import evaluation
+    from dflash2.evaluation import run as evaluation
 
     draft = export_draft(tiny, tmp_path / "draft")
     calls = []
@@ -216,7 +216,7 @@ def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
     ],
 )
 def test_prompt_lookup_settings_are_checked_before_loading_a_target(tmp_path, monkeypatch, override, message):
-    from dflash2 import evaluation
+    from dflash2.evaluation import run as evaluation
 
     monkeypatch.setattr(evaluation, "load_target", lambda *a: pytest.fail("the target was loaded first"))
     with pytest.raises(ValueError, match=message):
@@ -241,7 +241,7 @@ def test_tau_sim_comes_from_the_exports_data_not_its_readme(tmp_path):
 
 
 def test_an_evaluation_reads_tau_sim_from_config_json_alone(tiny, tmp_path):
-    from dflash2.evaluation import describe_draft
+    from dflash2.evaluation.run import describe_draft
 
     draft = export_draft(tiny, tmp_path / "draft", tau_sim=1.75)
     assert "9.75" in (draft / "README.md").read_text()  # the card says otherwise: it is for people
@@ -399,7 +399,7 @@ def test_copy_gap_plot_shows_each_greedy_drafter_run():
 
 
 def test_wandb_summary_has_the_copy_gap(monkeypatch, tmp_path):
-    from dflash2.eval_report import log_wandb
+    from dflash2.evaluation.report import log_wandb
 
     summary = {}
     run = types.SimpleNamespace(log=lambda *a, **k: None, summary=summary, finish=lambda: None)
@@ -488,7 +488,7 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dflash2.sweep import tau_figure
+    from dflash2.evaluation.sweep import tau_figure
 
     def run(draft: str, bench: str, block: int, tau: float, tau_sim: float) -> dict:
         gap = tau_sim - tau if block == 16 else None  # evaluate.py sets tau_gap only at the training block size
@@ -531,7 +531,7 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
 
 def test_evaluation_and_regeneration_import_no_lightning():
     """Decoding and regenerating need no training stack: importing them must not pull Lightning in."""
-    code = "import sys, dflash2.evaluation, dflash2.data.regenerate; print('lightning' in sys.modules)"
+    code = "import sys, dflash2.evaluation.run, dflash2.data.regenerate; print('lightning' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"

@@ -19,12 +19,12 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from dflash2 import DFlash2Config, DFlash2DraftModel, tensor_shapes
-from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint
-from dflash2.export import export_checkpoint
-from dflash2.lint import LintReport
-from dflash2.locate import SMOLLM2_HUB_ID
-from dflash2.manifest import build_manifest, check_manifest, read_manifest, target_identity
-from dflash2.model import read_safetensors
+from dflash2.export.check import LintReport
+from dflash2.export.writer import export_checkpoint
+from dflash2.model.drafter import read_safetensors
+from dflash2.target.locate import SMOLLM2_HUB_ID
+from dflash2.target.manifest import build_manifest, check_manifest, read_manifest, target_identity
+from dflash2.training.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,7 +208,7 @@ def test_a_checkpoint_with_pickled_code_is_refused_unless_allowed(tmp_path):
 
 def test_a_failing_lint_leaves_nothing_behind(tmp_path, monkeypatch):
     ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
-    monkeypatch.setattr("dflash2.export.lint", lambda path: LintReport(Path(path), problems=["injected fault"]))
+    monkeypatch.setattr("dflash2.export.writer.lint", lambda path: LintReport(Path(path), problems=["injected fault"]))
     with pytest.raises(ValueError, match="injected fault"):
         export_checkpoint(ckpt, tmp_path / "drafter")
     assert leftovers(tmp_path, {"last.ckpt"}) == []
@@ -245,7 +245,7 @@ def test_sigterm_during_an_export_leaves_no_temp_folder(tmp_path):
     ckpt = write_ckpt(tmp_path / "last.ckpt", trained_model(tiny_config()))
     script = (
         "import os, signal, sys\n"
-        "import dflash2.export as export\n"
+        "import dflash2.export.writer as export\n"
         "export.lint = lambda path: os.kill(os.getpid(), signal.SIGTERM)\n"
         "export.export_checkpoint(sys.argv[1], sys.argv[2])\n"
     )
@@ -306,7 +306,7 @@ def test_the_model_card_serves_a_hub_id_not_a_cache_folder(tmp_path, recorded, s
 
 @pytest.mark.parametrize("layers", [1, 2])
 def test_the_model_card_counts_draft_layers(layers):
-    from dflash2.export import model_card
+    from dflash2.export.writer import model_card
 
     cfg = DFlash2Config.from_dict(tiny_config().to_dict() | {"num_hidden_layers": layers, "layer_types": None})
     card = model_card(cfg, {})
@@ -317,7 +317,7 @@ def test_the_model_card_counts_draft_layers(layers):
 def test_a_run_records_what_engines_load_for_its_target(tmp_path):
     """The manifest names the target as engines load it: the embedded SmolLM2 as its hub id, a hub id as given, a local
     folder by its absolute path, and a GGUF by the repository its metadata names (None when it names none)."""
-    from dflash2.locate import _smollm2_gguf, serve_model
+    from dflash2.target.locate import _smollm2_gguf, serve_model
 
     assert serve_model(None, "SmolLM2-135M-Instruct.Q4_1.gguf") == serve_model("smollm2", None) == SMOLLM2_HUB_ID
     assert serve_model("Qwen/Qwen3-8B", None) == "Qwen/Qwen3-8B"
@@ -327,7 +327,7 @@ def test_a_run_records_what_engines_load_for_its_target(tmp_path):
 
 @pytest.mark.parametrize("conv", [False, True])
 def test_the_model_card_tags_its_kind_once_and_lists_the_slots_in_order(conv):
-    from dflash2.export import model_card
+    from dflash2.export.writer import model_card
 
     slots = torch.randperm(12).tolist()  # the metrics arrive in any order
     metrics = {f"val/acc_{k + 1}": 0.5 for k in slots} | {"val/tau_sim": 2.0, "val/loss_ce": 3.0}
@@ -364,7 +364,7 @@ def test_a_run_dir_exports_its_best_checkpoint_by_tau_sim_and_says_so(tmp_path, 
     write_ckpt(folder / "epoch=0-step=2.ckpt", model, manifest, changes=at(2, 1.5))
     write_ckpt(folder / "epoch=0-step=1.ckpt", model, manifest, changes=at(1, 1.25))
     write_ckpt(folder / "last.ckpt", model, manifest, changes=at(4, 1.4))
-    with caplog.at_level(logging.INFO, logger="dflash2.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="dflash2.training.checkpoint"):
         assert find_checkpoint(tmp_path / "run") == folder / "epoch=0-step=2.ckpt"
         assert find_checkpoint(folder) == folder / "epoch=0-step=2.ckpt"
     line = caplog.records[0].getMessage()
@@ -419,7 +419,7 @@ def test_manifest_round_trips_and_refuses_another_target(tmp_path, caplog):
         check_manifest(manifest, target_identity("tiny/target", *tiny_target(layers=7)))
     with pytest.raises(ValueError, match="vocab_hash"):
         check_manifest(manifest, target_identity("tiny/target", *tiny_target(extra_token="<new>")))
-    with caplog.at_level(logging.WARNING, logger="dflash2.manifest"):
+    with caplog.at_level(logging.WARNING, logger="dflash2.target.manifest"):
         check_manifest(None, identity)
     assert "dflash2_manifest" in caplog.text
 
@@ -439,7 +439,7 @@ def test_the_identity_is_the_vocabulary_not_the_special_tokens_roles(caplog):
     with pytest.raises(ValueError, match="vocab_hash"):
         check_manifest(manifest, target_identity("tiny/target", config, swapped))
     legacy = {k: v for k, v in manifest.items() if k != "vocab_hash"} | {"tokenizer_hash": "0" * 64}
-    with caplog.at_level(logging.WARNING, logger="dflash2.manifest"):
+    with caplog.at_level(logging.WARNING, logger="dflash2.target.manifest"):
         check_manifest(legacy, identity)  # written before vocab_hash: loads, with the unchecked part named
     assert "vocab_hash" in caplog.text
 

@@ -25,7 +25,9 @@ from training_setup import config
 
 from dflash2.data import feature_store as fs
 from dflash2.data import features as fc
-from dflash2.training import DFlash2Module, checks
+from dflash2.training import checks
+from dflash2.training.features import run as features_command
+from dflash2.training.module import DFlash2Module
 from dflash2.training.run import build_data, target_and_draft, train
 
 
@@ -35,7 +37,7 @@ def setup(chats: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("features")
     cfg = config(chats, root / "run")
     target, draft = target_and_draft(cfg)
-    rows = build_data(cfg, target, draft)._rows()[0]
+    rows = build_data(cfg, target, draft).rows()[0]
     fields = fs.binding(cfg.model, cfg.data, list(draft.target_layer_ids))
     caches = {}
     for dtype in fs.DTYPES:
@@ -200,7 +202,7 @@ def test_extra_files_are_cached_after_the_main_files_rows_each_row_with_its_own_
     argv = tiny_overrides(chats, run, f"data.extra_paths=[{extra}]")
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         written = compose("features", overrides=[*argv, f"output={folder}", "shard_rows=8", "device=cpu"])
-    manifest = fc.run(written)
+    manifest = features_command(written)
     assert manifest["rows"] == len(rows) + len(records) and manifest["extra_paths"] == [str(extra)]
     online = build_data(config(chats, run, f"data.extra_paths=[{extra}]"), target, draft)
     cached = build_data_with(config(chats, run, f"data.extra_paths=[{extra}]"), target, draft, folder)
@@ -256,8 +258,8 @@ def test_training_runs_validates_and_resumes_from_the_cache_without_the_targets_
 def test_a_target_without_its_layers_is_the_target_to_the_drafter_and_refuses_to_run():
     """load(layers=False), as training from a cache builds it: the same embedding, norm, head, depth and identity as
     the whole target, no decoder layer in memory, and a forward that refuses; drop_layers frees a loaded one's."""
-    from dflash2.manifest import target_identity
-    from dflash2.target import TargetModel
+    from dflash2.target.manifest import target_identity
+    from dflash2.target.model import TargetModel
     from dflash2.testing import tiny_target, tiny_target_path
 
     whole = TargetModel.load(tiny_target_path(), name="tiny", target_layer_ids=[1, 2])

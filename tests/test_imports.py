@@ -1,8 +1,12 @@
-"""Imports inside dflash2 run one way: no module imports, directly or through others, a module that imports it.
+"""Imports inside dflash2 run one way: no module imports, directly or through others, a module that imports it, and
+no package imports one above it in the layers (infrastructure < model < target < decoding < data < training < export
+< evaluation < studies; dflash2.cli and dflash2.testing may import anything).
 
 Every import counts, at module level (TYPE_CHECKING blocks included) and inside functions: a function-level import
 that closes a cycle only hides it until the function runs. A package's `__init__` running before its submodules is
-not an edge of its own (it would make every package that re-exports a submodule look cyclic).
+not an edge of its own (it would make every package that re-exports a submodule look cyclic), and neither is a
+module's `if __name__ == "__main__":` block: it runs only when the file is the command (`python -m ...`), as a
+module of its own, `__main__`, so it hands over to dflash2.cli like any entry point.
 """
 
 from __future__ import annotations
@@ -24,6 +28,28 @@ def module_names(package: Path) -> dict[str, Path]:
     return names
 
 
+def is_main_block(node: ast.AST) -> bool:
+    """`if __name__ == "__main__":`"""
+    test = node.test if isinstance(node, ast.If) else None
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
+def imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, wherever it stands, but in its `__main__` block."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        todo += [child for child in ast.iter_child_nodes(node) if not is_main_block(child)]
+    return sorted(found, key=lambda node: node.lineno)
+
+
 def import_graph(package: Path) -> Graph:
     """Which of the package's modules each of its modules imports, wherever the import stands."""
     modules = module_names(package)
@@ -37,7 +63,7 @@ def import_graph(package: Path) -> Graph:
     for name, file in modules.items():
         edges = graph.setdefault(name, {})
         here = name if file.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        for node in imports(ast.parse(file.read_text(), str(file))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -105,3 +131,62 @@ def test_a_cycle_through_a_function_level_or_relative_import_is_found(tmp_path):
     assert find_cycle(graph) is None  # __init__ importing a is no cycle with a's own `pkg.sub` import
     (package / "c.py").write_text("from .a import f\n")
     assert find_cycle(graph := import_graph(package)) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"], graph
+
+
+# The layers, low to high: a module imports its own layer's modules and lower ones only. A package's top folder names
+# its layer; the infrastructure is flat; the package itself (dflash2/__init__.py) is the drafter's public API.
+LAYERS = ("infrastructure", "model", "target", "decoding", "data", "training", "export", "evaluation", "studies")
+INFRASTRUCTURE = {"groups", "cache", "downloads", "progress"}
+ANYTHING = {"cli", "testing"}  # above every layer: they may import any module, and none imports them
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a module of the package (its index in LAYERS; len(LAYERS) for cli and testing), None if none."""
+    top = module.split(".")[1] if "." in module else None
+    if top is None:
+        return LAYERS.index("model")
+    if top in ANYTHING:
+        return len(LAYERS)
+    if top in INFRASTRUCTURE:
+        return 0
+    return LAYERS.index(top) if top in LAYERS else None
+
+
+def upward_imports(graph: Graph) -> list[str]:
+    """Every import of a higher layer's module by a lower layer's, as "file:line  importer -> imported"."""
+    return [
+        f"{where}  {a} -> {b}"
+        for a, edges in sorted(graph.items())
+        for b, where in sorted(edges.items(), key=lambda e: e[1])
+        if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)
+    ]
+
+
+def test_dflash2_imports_run_down_the_layers():
+    graph = import_graph(DFLASH2)
+    unplaced = sorted(m for m in graph if layer_of(m) is None)
+    assert not unplaced, f"modules in no layer (a package of LAYERS, or INFRASTRUCTURE): {unplaced}"
+    upward = upward_imports(graph)
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_an_upward_import_inside_a_function_is_found_and_a_main_block_is_not(tmp_path):
+    """The check itself, on a small package of the same layout: a function-level import of a higher layer is reported
+    with its file and line; the module's `__main__` block, handing over to cli, is no import of the package's."""
+    package = tmp_path / "dflash2"
+    for folder in ("data", "training"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "cli.py").write_text("from dflash2.data import features\n")
+    (package / "training" / "run.py").write_text("from dflash2.data.features import write\n")
+    (package / "data" / "features.py").write_text(
+        "def write():\n    return 1\n\n\nif __name__ == '__main__':\n    from dflash2 import cli\n"
+    )
+    assert upward_imports(import_graph(package)) == []
+    (package / "data" / "features.py").write_text(
+        "def write():\n    from dflash2.training.run import write\n\n    return write\n"
+    )
+    assert upward_imports(import_graph(package)) == [
+        "dflash2/data/features.py:2  dflash2.data.features -> dflash2.training.run"
+    ]

@@ -5,8 +5,8 @@ import importlib
 import pytest
 import torch
 
-from dflash2 import kernels
-from dflash2.kernels import _backend, grouped_conv_reference, selector_walk_reference
+from dflash2.model import kernels
+from dflash2.model.kernels import _backend, grouped_conv_reference, selector_walk_reference
 
 needs_triton = pytest.mark.skipif(_backend.triton is None, reason="triton is not installed")
 # The Triton tests run the compiled kernels on a GPU; without one, conftest.py has set TRITON_INTERPRET=1.
@@ -241,8 +241,8 @@ def test_auto_uses_reference_on_cpu(monkeypatch):
         raise AssertionError("the Triton path ran on CPU tensors under 'auto'")
 
     # the package re-exports functions under the modules' names, so fetch the modules themselves
-    conv_module = importlib.import_module("dflash2.kernels.grouped_conv")
-    walk_module = importlib.import_module("dflash2.kernels.selector_walk")
+    conv_module = importlib.import_module("dflash2.model.kernels.grouped_conv")
+    walk_module = importlib.import_module("dflash2.model.kernels.selector_walk")
 
     monkeypatch.setattr(conv_module, "_grouped_conv_triton", fail)
     monkeypatch.setattr(walk_module, "_selector_walk_triton", fail)

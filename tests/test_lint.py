@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.lint import lint
+from dflash2.export.check import lint
 
 BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}
 
@@ -278,8 +278,8 @@ def test_instant_on_a_27b_drafter(tmp_path):
 def test_the_config_raises_the_linters_first_config_problem(tmp_path, fault):
     """One rule book: the linter reports review_config's problems first, and DFlash2Config refuses the same
     config.json with the first of them, word for word; a fault of the tensors alone leaves the config valid."""
-    from dflash2.config import DFlash2Config
-    from dflash2.contract import review_config
+    from dflash2.model.config import DFlash2Config
+    from dflash2.model.contract import review_config
 
     cfg = copy.deepcopy(fixture_config())
     tensors = fixture_tensors(cfg)
@@ -376,8 +376,8 @@ def test_targets_both_engines_capture_give_no_warning(tmp_path, architecture):
 def test_the_embedded_targets_architecture_is_known_for_drafters_that_do_not_record_it(tmp_path):
     """SmolLM2 drafters exported before `target_architectures` was recorded: the embedded GGUF dequantizes to the
     architecture `EMBEDDED_ARCHITECTURES` names, and such a drafter is recognised by where it was trained or served."""
-    from dflash2.engines import EMBEDDED_ARCHITECTURES
-    from dflash2.locate import SMOLLM2_HUB_ID, smollm2_folder
+    from dflash2.export.engines import EMBEDDED_ARCHITECTURES
+    from dflash2.target.locate import SMOLLM2_HUB_ID, smollm2_folder
 
     config = json.loads((smollm2_folder() / "config.json").read_text())
     assert config["architectures"] == [EMBEDDED_ARCHITECTURES[SMOLLM2_HUB_ID]]

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2 import DFlash2Config, DFlash2DraftModel, DFlashGroupedConv, DraftCache
-from dflash2.lint import lint
-from dflash2.selector import head_logits
+from dflash2.export.check import lint
+from dflash2.model.selector import head_logits
 
 FIXTURE = dict(  # the public DFlash2 fixture's dimensions
     hidden_size=6656,

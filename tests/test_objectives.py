@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash2.training.losses import IGNORE, dpace_weights, draft_losses, slot_weights
-from dflash2.training.recipe import Objective
+from dflash2.training.objectives import Objective
 
 
 def dpace_loop(confidence: list[float], valid: list[bool], alpha: float) -> list[float]:

@@ -15,7 +15,7 @@ import torch
 
 from dflash2.data.chat import load_conversations
 from dflash2.data.regenerate import completed_ids, regenerate
-from dflash2.target import TargetModel
+from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,14 +14,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from dflash2 import DFlash2DraftModel, evaluation
-from dflash2.chat_template import check_chat_template_kwargs, format_kwargs, render_chat
+from dflash2 import DFlash2DraftModel
 from dflash2.data import datamodule
 from dflash2.data.chat import load_conversations
 from dflash2.data.datamodule import DFlashDataModule
 from dflash2.data.regenerate import Dialogues, regenerate
-from dflash2.manifest import MANIFEST_KEY
-from dflash2.target import TargetModel
+from dflash2.evaluation import run as evaluation
+from dflash2.target.chat_template import check_chat_template_kwargs, format_kwargs, render_chat
+from dflash2.target.manifest import MANIFEST_KEY
+from dflash2.target.model import TargetModel
 from dflash2.testing import TINY_MASK_TOKEN_ID, tiny_draft_config, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,8 +243,8 @@ def test_the_arguments_travel_from_the_data_through_training_and_export_to_evalu
     """train.py with the model group's arguments (thinking off) on data regenerated alike, export, evaluate.py."""
     from training_setup import config
 
-    from dflash2.export import export_checkpoint
-    from dflash2.training import train
+    from dflash2.export.writer import export_checkpoint
+    from dflash2.training.run import train
 
     overrides = [f"model.path={thinking_folder}", "trainer.max_steps=2", "trainer.max_epochs=2", "data.max_length=512"]
     with pytest.raises(ValueError, match=r"data.chat_template_kwargs=\{\} but"):  # the data default: the model's
@@ -271,7 +272,7 @@ def test_the_arguments_travel_from_the_data_through_training_and_export_to_evalu
     assert results["chat_template_kwargs"] == NO_THINKING
     sample = json.loads((tmp_path / "eval0" / "samples.jsonl").read_text().splitlines()[0])
     assert tok.decode(sample["prompt_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    with caplog.at_level(logging.WARNING, logger="dflash2.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="dflash2.evaluation.run"):
         told = evaluate("chat_template_kwargs={}")  # told otherwise: rendered so, and the log says it differs
     assert (
         told["chat_template_kwargs"] == {} and "trained on chats rendered with {enable_thinking: false}" in caplog.text

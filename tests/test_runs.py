@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from training_setup import ROOT, config, tiny_overrides
 
-from dflash2.config import tensor_shapes
+from dflash2.model.config import tensor_shapes
 from dflash2.testing import tiny_target_path
-from dflash2.training import train
+from dflash2.training.run import train
 
 
 class Probe(Callback):
@@ -32,7 +32,7 @@ class Probe(Callback):
 
 
 def test_checkpoint_layout_and_resume(chats, tmp_path):
-    from dflash2.checkpoint import draft_from_checkpoint
+    from dflash2.training.checkpoint import draft_from_checkpoint
 
     run = tmp_path / "run"
     first = train(config(chats, run, "trainer.max_steps=3", "trainer.max_epochs=5"))
@@ -50,7 +50,7 @@ def test_checkpoint_layout_and_resume(chats, tmp_path):
     assert cfg["dflash_config"]["selector_top_k"] == 4
     state = ckpt["state_dict"]
     assert all(k.startswith("draft.") for k in state)
-    from dflash2.config import DFlash2Config
+    from dflash2.model.config import DFlash2Config
 
     assert {k.removeprefix("draft.") for k in state} == set(tensor_shapes(DFlash2Config.from_dict(cfg)))
     draft_from_checkpoint(ckpt)  # the exporter reads it
@@ -102,7 +102,7 @@ def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path):
 def test_max_time_stops_a_run_at_its_budget_with_a_checkpoint(chats, tmp_path):
     """trainer.max_time (Lightning's Timer) ends a run long before its max_steps, and the run keeps what it trained:
     a last checkpoint at the step it stopped, which exports."""
-    from dflash2.checkpoint import draft_from_checkpoint
+    from dflash2.training.checkpoint import draft_from_checkpoint
 
     run = tmp_path / "run"
     out = train(config(chats, run, "trainer.max_time=00:00:00:02", "trainer.max_steps=100000", "trainer.max_epochs=-1"))
@@ -148,7 +148,7 @@ def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_
 def test_when_the_latest_validation_is_the_best_one_copy_is_kept(chats, tmp_path):
     """A run whose last validation is also its best keeps one file under two names (last.ckpt a hard link to the
     best), not two copies of the same state; a resume and the exporter read last.ckpt as before."""
-    from dflash2.checkpoint import draft_from_checkpoint
+    from dflash2.training.checkpoint import draft_from_checkpoint
 
     run = tmp_path / "run"
     result = train(config(chats, run, "trainer.max_steps=2", "trainer.max_epochs=5", "validate_first=false"))
@@ -211,7 +211,7 @@ def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
 def test_a_fused_adamw_under_bf16_mixed_clips_as_the_foreach_one(chats, tmp_path):
     """optim.fused=true under bf16-mixed, where Lightning's plugin would refuse to clip: the module clips by norm, and
     three steps end on the foreach step's weights; with no clipping they end elsewhere, so the clip acted."""
-    from dflash2.checkpoint import load_checkpoint
+    from dflash2.training.checkpoint import load_checkpoint
 
     seed = random.randrange(2**31)
     print(f"seed {seed}")
@@ -298,7 +298,7 @@ def test_unavailable_target_fails_fast_in_one_sentence(tmp_path):
     ],
 )
 def test_bad_data_path_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
-    from dflash2.target import TargetModel
+    from dflash2.target.model import TargetModel
 
     monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target loaded first"))
     cfg = config(chats, tmp_path, override.format(tmp=tmp_path))
@@ -482,7 +482,7 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
     ],
 )
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
-    from dflash2.target import TargetModel
+    from dflash2.target.model import TargetModel
 
     monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target loaded first"))
     overrides = [override, "module.feature_scaling=true"] if override == "trainer=fsdp" else [override]

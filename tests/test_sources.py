@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash2 import bench
-from dflash2.data import sources
+from dflash2.data import benches, sources
 from dflash2.data.chat import load_conversations
 
 
@@ -37,7 +36,7 @@ def test_a_prompt_sharing_thirteen_words_with_a_benchmark_is_dropped():
     short = _sentence(rng, 6)
     chats = [
         sources.chat(str(i), text, "reply")
-        for i, text in enumerate([copied, near, " ".join(short) + "?" + bench.MATH_SUFFIX])
+        for i, text in enumerate([copied, near, " ".join(short) + "?" + benches.MATH_SUFFIX])
     ]
     kept = sources.apart_from(chats, [" ".join(bench_words), " ".join(short)])
     assert [c["id"] for c in kept] == ["1"]
@@ -59,12 +58,12 @@ def test_the_packaged_sources_hold_no_benchmark_prompt_and_regenerate_reads_them
     assert 4_300 < len(by_source["math"]) <= 4_500
     assert len(by_source["codeio"]) > 2_500
     prompts = {c["messages"][0]["content"] for c in chats}
-    for name in bench.BENCHMARKS:
-        for p in bench.load_prompts(name):
+    for name in benches.BENCHMARKS:
+        for p in benches.load_prompts(name):
             assert not prompts & set(p["turns"]), f"{p['id']} is among the training prompts"
-    math500 = {sources.question(p["turns"][0]) for p in bench.load_prompts("math500")}
+    math500 = {sources.question(p["turns"][0]) for p in benches.load_prompts("math500")}
     assert not {sources.question(c["messages"][0]["content"]) for c in by_source["math"]} & math500
-    assert all(c["messages"][0]["content"].endswith(bench.MATH_SUFFIX.strip()) for c in by_source["math"])
+    assert all(c["messages"][0]["content"].endswith(benches.MATH_SUFFIX.strip()) for c in by_source["math"])
     # The regenerator's reader keeps every one: each has a user turn and a non-empty reply to replace.
     assert len(load_conversations(str(out))) == n
 
@@ -103,7 +102,7 @@ def test_the_new_packaged_sources_on_their_real_files(tmp_path):
         else:
             assert 1 <= len(roles) // 2 <= sources.CHITCHAT_TURNS
     assert max(len(c["messages"]) for c in chats if c["id"].startswith("chitchat/")) == 2 * sources.CHITCHAT_TURNS
-    bench_turns = {t for name in bench.BENCHMARKS for p in bench.load_prompts(name) for t in p["turns"]}
+    bench_turns = {t for name in benches.BENCHMARKS for p in benches.load_prompts(name) for t in p["turns"]}
     assert not {m["content"] for c in chats for m in c["messages"] if m["role"] == "user"} & bench_turns
     assert len(load_conversations(str(out))) == len(chats)
 
@@ -131,7 +130,7 @@ def test_the_recipe_writes_the_counts_asked(tmp_path):
         assert set(families) <= set(generators.FAMILIES[name])
         assert max(families.values()) - min(families.values()) <= 1  # spread evenly
     math = [c["messages"][0]["content"] for c in chats if c["id"].startswith("gym_math/")]
-    assert all(m.endswith(bench.MATH_SUFFIX.strip()) for m in math)
+    assert all(m.endswith(benches.MATH_SUFFIX.strip()) for m in math)
     assert "gsm_symbolic" not in {f for fams in generators.FAMILIES.values() for f in fams}
     assert len(load_conversations(str(out))) == len(chats)
 

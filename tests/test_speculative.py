@@ -5,11 +5,12 @@ import torch
 from fresh_forward import fresh_block_output
 from scipy.stats import chisquare
 
-from dflash2 import DFlash2DraftModel, kernels
-from dflash2 import speculative as spec
-from dflash2.kernels import _backend
-from dflash2.lookup import PromptLookup
-from dflash2.target import TargetModel
+from dflash2 import DFlash2DraftModel
+from dflash2.decoding import speculative as spec
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.model import kernels
+from dflash2.model.kernels import _backend
+from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_draft_config, tiny_target
 
 DRAFT_KINDS = {

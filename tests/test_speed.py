@@ -1,4 +1,4 @@
-"""python -m dflash2.speed: the speed-up model against hand calculations, the truncation estimate, and the command end
+"""python speed.py: the speed-up model against hand calculations, the truncation estimate, and the command end
 to end on the tiny target (its JSON consistent with the costs it recorded)."""
 
 import json
@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from test_evaluation import config as evaluate_config
 from test_evaluation import export_draft
 
-from dflash2 import speed
-from dflash2.evaluation import acceptance_stats, evaluate
+from dflash2.evaluation import speed
+from dflash2.evaluation.run import acceptance_stats, evaluate
 from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def config(*overrides):
 
 def speed_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "dflash2.speed", *TINY, f"model.path={tiny_target_path()}", *args]
+    command = [sys.executable, str(ROOT / "speed.py"), *TINY, f"model.path={tiny_target_path()}", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -201,7 +201,7 @@ def test_the_command_writes_costs_predictions_and_measurements_that_agree(tiny, 
 
 
 def test_results_of_evaluate_runs_replace_decoding(tiny, tmp_path, monkeypatch):
-    from dflash2 import evaluation
+    from dflash2.evaluation import run as evaluation
 
     draft = export_draft(tiny, tmp_path / "draft")
     runs = {}
@@ -234,7 +234,7 @@ def test_results_of_evaluate_runs_replace_decoding(tiny, tmp_path, monkeypatch):
     ],
 )
 def test_bad_settings_are_refused_before_loading_or_writing(tiny, tmp_path, monkeypatch, override, message):
-    from dflash2 import evaluation
+    from dflash2.evaluation import run as evaluation
 
     draft = export_draft(tiny, tmp_path / "draft")
     monkeypatch.setattr(evaluation, "load_target", lambda *a: pytest.fail("the target was loaded first"))
@@ -266,8 +266,8 @@ def test_prompt_lookup_is_costed_and_predicted_without_measuring(tmp_path):
 
 def test_a_timing_run_times_its_steps_and_stops(tiny):
     """`steps` steps are timed after the prefill's step; the decode stops at the next step's start, whatever budget."""
-    from dflash2.costs import speculative_run, target_run
-    from dflash2.lookup import PromptLookup
+    from dflash2.decoding.costs import speculative_run, target_run
+    from dflash2.decoding.lookup import PromptLookup
 
     calls = {"propose": 0, "forward": 0}
 

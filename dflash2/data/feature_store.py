@@ -43,9 +43,9 @@ BINDING = {
 
 # ---------------------------------------------------------------------- the binding
 def file_sha256(path: str | Path) -> str:
-    """sha256 of a file, once per process and version of the file (dflash2.locate's helper). A file in the Hugging
-    Face cache is a blob named by its sha256 already, which is taken as is."""
-    from dflash2.locate import _sha256
+    """sha256 of a file, once per process and version of the file (dflash2.target.locate's helper). A file in the
+    Hugging Face cache is a blob named by its sha256 already, which is taken as is."""
+    from dflash2.target.locate import _sha256
 
     real = Path(path).resolve()
     if real.parent.name == "blobs" and len(real.name) == 64 and all(c in "0123456789abcdef" for c in real.name):
@@ -64,7 +64,7 @@ def weights_hash(folder: str | Path) -> str:
 
 def _target_folder(model_cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any], Path]:
     """(path, from_pretrained kwargs, local folder of its files) of the `model` group's target."""
-    from dflash2.locate import target_source
+    from dflash2.target.locate import target_source
 
     path, kwargs = target_source(model_cfg.get("path"), model_cfg.get("gguf_file"))
     if Path(path).is_dir():
@@ -81,7 +81,7 @@ def binding(model_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], layer_ids
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash2.data.chat import RENDER_VERSION, sharegpt_path
-    from dflash2.manifest import target_identity, tokenizer_hash
+    from dflash2.target.manifest import target_identity, tokenizer_hash
 
     path, kwargs, folder = _target_folder(model_cfg)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -285,7 +285,7 @@ def pad_features(rows: list[dict[str, torch.Tensor]], length: int) -> dict[str, 
 
 def cached_output(batch: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Any:
     """The TargetOutput the target would have returned for the batch (without the final hidden states)."""
-    from dflash2.target import TargetOutput
+    from dflash2.target.model import TargetOutput
 
     return TargetOutput(logits=None, hidden=dequantize(batch["features"], batch.get("feature_scales"), dtype))
 

@@ -13,7 +13,8 @@ fetch). Each shard is written to a temporary file and renamed into place, so a k
 and a rerun of the same command writes just the missing ones. `manifest.json` (written first) binds the folder to
 what produced it: the target (its config, vocabulary, chat template and a hash of its weight files), the layers, the
 data files' hashes, `data.limit`, `data.max_length` and the rendering version; `train.py` refuses a cache whose
-binding differs from the run's, naming the setting, before any weights load.
+binding differs from the run's, naming the setting, before any weights load. The command builds the run's target
+and rows as training builds them (`dflash2/training/features.py`); this module writes them.
 
 Storage (`dtype`): bf16 (2 bytes per value; the features' relative rounding 2^-8) or fp8 (float8 e4m3 with one
 float32 scale per token and layer, amax/448: 1 byte per value plus 4 per layer; relative rounding 2^-4). fp8 e5m2,
@@ -31,7 +32,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 
@@ -41,8 +41,6 @@ from dflash2.data.feature_store import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    binding,
-    bytes_per_token,
     feature_lengths,
     quantize,
     shard_name,
@@ -135,42 +133,7 @@ def write_features(
     return manifest
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """The CLI on a composed `configs/features.yaml`: the run's target, layers and rows, written to `output`."""
-    from omegaconf import open_dict
-
-    from dflash2.target import resolve_device
-    from dflash2.training.run import adopt_warm_start, build_data, target_and_draft
-
-    adopt_warm_start(cfg)
-    with open_dict(cfg):
-        cfg.data.features = None  # the rows themselves: the data module must not read a cache here
-    target, draft = target_and_draft(cfg)
-    target.to(resolve_device(cfg.device))
-    rows, extras = build_data(cfg, target, draft)._rows()
-    if extras:  # data.path's rows first, then each file's: the order FeatureStore.attach numbers them in
-        rows = datasets.concatenate_datasets([rows, *extras])
-    fields = binding(cfg.model, cfg.data, list(draft.target_layer_ids))
-    manifest = write_features(
-        target, rows, cfg.output, fields, dtype=cfg.dtype, batch_size=cfg.batch_size, shard_rows=cfg.shard_rows
-    )
-    print(
-        f"features: {manifest['rows']} rows, {manifest['tokens']} tokens of layers {manifest['target_layer_ids']} in "
-        f"{cfg.output} ({manifest['dtype']}, "
-        f"{bytes_per_token(manifest['hidden_size'], len(manifest['target_layer_ids']), manifest['dtype'])} bytes/token)"
-    )
-    return manifest
-
-
-def main() -> None:
-    import hydra
-
-    from dflash2.groups import exit_on_bad_input
-    from dflash2.training import register_resolvers
-
-    register_resolvers()
-    hydra.main(version_base="1.3", config_path="../../configs", config_name="features")(exit_on_bad_input(run))()
-
-
 if __name__ == "__main__":
-    main()
+    from dflash2 import cli
+
+    cli.features()

@@ -4,7 +4,7 @@ reasoning-gym (Apache-2.0) is an optional extra (`pip install -e .[sources]`, wh
 only these sources need it. Each family's item `i` comes from `random.Random(seed + i)` inside reasoning-gym, so a
 family's stream is the same on every run and machine. Three sources group the families by the kind of prompt:
 - `gym_math`: arithmetic, number theory, short word problems, equations, polynomials, integrals, geometry and
-  probability, asked as the math benches ask (`bench.MATH_SUFFIX`), so the target reasons as it does there.
+  probability, asked as the math benches ask (`benches.MATH_SUFFIX`), so the target reasons as it does there.
 - `gym_logic`: sequences, syllogisms, propositional logic, knights and knaves, relations, small puzzles.
 - `gym_algorithms`: interview-style algorithm problems on given data (graphs, grids, matrices, strings, lists)
   and Brainf*ck programs to trace: reasoning about what code computes.

@@ -15,7 +15,6 @@ setting is checked before the target loads; both regenerations resume from what 
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
 from dflash2.data import regenerate, sources
@@ -39,10 +38,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
     return written
 
 
-@hydra.main(version_base="1.3", config_path="../../configs", config_name="recipe")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
-
 if __name__ == "__main__":
-    main()
+    from dflash2 import cli
+
+    cli.recipe()

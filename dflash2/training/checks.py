@@ -69,7 +69,7 @@ def check_config(cfg: DictConfig) -> None:
     fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
     # The target's and the data's modules import transformers and datasets (seconds): here, not when Hydra loads the
     # PrepareRun callback of this module.
-    from dflash2.target import compile_mode
+    from dflash2.target.model import compile_mode
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -107,9 +107,9 @@ def check_config(cfg: DictConfig) -> None:
 def check_data(cfg: DictConfig) -> None:
     """Read the data files (`data.path`, `data.extra_paths`) through, so that a malformed record fails before the run
     has a folder. The packaged ShareGPT is not re-read: it is the package's, and the run reads it right after."""
-    from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs
     from dflash2.data.chat import load_conversations
     from dflash2.data.datamodule import resolve_chat_template_kwargs
+    from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs
 
     quiet = logging.root.manager.disable
     logging.disable(logging.INFO)  # the run reads the files again and logs their counts, into train.log this time

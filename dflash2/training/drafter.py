@@ -9,8 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from dflash2.config import ConfigFieldError, DFlash2Config
 from dflash2.groups import BAD_INPUT, build
+from dflash2.model.config import ConfigFieldError, DFlash2Config
 
 
 def draft_config(draft_cfg: DictConfig, target_fields: dict[str, Any]) -> DFlash2Config:
@@ -32,7 +32,7 @@ def target_fields(target: Any) -> dict[str, Any]:
 
 def target_config_fields(model_cfg: DictConfig) -> dict[str, Any]:
     """`target_fields` from the `model` group and the target's config.json alone, in a second, before any weights."""
-    from dflash2.target import draft_config_fields, load_target_config  # here: transformers' seconds, for this only
+    from dflash2.target.model import draft_config_fields, load_target_config  # here: transformers' seconds, this only
 
     return draft_config_fields(load_target_config(model_cfg)) | {"mask_token_id": model_cfg.get("mask_token_id")}
 

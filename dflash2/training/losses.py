@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.data.anchors import IGNORE
-from dflash2.selector import CandidateSelector, head_logits
+from dflash2.model.selector import CandidateSelector, head_logits
 
 # The published decay constants of the slot weights exp(-(k-1)/gamma), as (block size, gamma).
 PUBLISHED_GAMMA = ((8, 4.0), (10, 5.0), (16, 7.0))

@@ -13,17 +13,18 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.profiler import record_function
 from torchmetrics import Metric
 
-from dflash2.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
-from dflash2.config import DFlash2Config
-from dflash2.contract import DFLASH_FIELDS
 from dflash2.data.anchors import block_mask, teacher_positions
 from dflash2.data.feature_store import cached_output
-from dflash2.manifest import MANIFEST_KEY, build_manifest
-from dflash2.model import DFlash2DraftModel
+from dflash2.model.config import DFlash2Config
+from dflash2.model.contract import DFLASH_FIELDS
+from dflash2.model.drafter import DecoderLayer, DFlash2DraftModel
+from dflash2.target.manifest import MANIFEST_KEY, build_manifest
+from dflash2.training.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.training.checks import check_module_knobs
 from dflash2.training.losses import (
     block_targets,
@@ -35,7 +36,7 @@ from dflash2.training.losses import (
     total_loss,
     trained_slots,
 )
-from dflash2.training.recipe import Objective, Optim, as_dict
+from dflash2.training.objectives import Objective, Optim, as_dict
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +377,11 @@ def freeze_backbone(draft: DFlash2DraftModel) -> None:
             "module.train_backbone=false leaves nothing to train: this drafter has neither conv nor "
             "selector (set draft.conv_kernel_size/selector_rank, or module.train_backbone=true)"
         )
+
+
+def fsdp_strategy(**kwargs: Any) -> Any:
+    """Lightning's FSDP, wrapping each draft decoder layer (Hydra cannot spell a set of classes)."""
+    return FSDPStrategy(auto_wrap_policy={DecoderLayer}, use_orig_params=True, **kwargs)
 
 
 def block_attention_mask(batch: dict[str, torch.Tensor], length: int, cfg: DFlash2Config) -> Any:

@@ -14,7 +14,7 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dflash2.checkpoint import run_dir_of
+from dflash2.training.checkpoint import run_dir_of
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dflash2.checkpoint import run_dir_of
-from dflash2.config import DFlash2Config
 from dflash2.groups import build
-from dflash2.locate import serve_model
-from dflash2.manifest import target_identity
+from dflash2.model.config import DFlash2Config
 from dflash2.progress import Progress, interactive, quiet_libraries
+from dflash2.target.locate import serve_model
+from dflash2.target.manifest import target_identity
+from dflash2.training.checkpoint import run_dir_of
 from dflash2.training.checks import check_config
 from dflash2.training.drafter import draft_config, target_config_fields, target_fields, warm_start_fields
 from dflash2.training.resume import RECORD, hydra_subdir

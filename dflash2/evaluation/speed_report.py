@@ -1,4 +1,4 @@
-"""What `python -m dflash2.speed` prints: the measured costs, and per batch and block size the predicted and measured
+"""What `python speed.py` prints: the measured costs, and per batch and block size the predicted and measured
 speeds with the block predicted fastest (the `speed.json` it writes holds every figure)."""
 
 from __future__ import annotations

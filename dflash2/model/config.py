@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash2.contract import DFLASH_FIELDS, Problem, review_config, tensor_table
+from dflash2.model.contract import DFLASH_FIELDS, Problem, review_config, tensor_table
 
 # Keys that to_dict() writes from the fields themselves; reading them back must not duplicate them in `extra`.
 DERIVED_KEYS = (
@@ -84,7 +84,7 @@ class DFlash2Config:
         self.validate()
 
     def validate(self) -> None:
-        """Raise on the contract's first problem with this config (dflash2.contract.review_config)."""
+        """Raise on the contract's first problem with this config (dflash2.model.contract.review_config)."""
         if problems := review_config(self.to_dict()).problems:
             raise ConfigFieldError(problems[0])
 

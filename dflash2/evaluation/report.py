@@ -1,7 +1,7 @@
 """What one evaluation run reports: the table `evaluate.py` logs, and its W&B run (acceptance curve, histogram).
 
 A value a run cannot have is left out, never shown as NaN, and `missing` says why: the table prints it, and the
-sweep's summary (`dflash2.sweep`) writes it in its `note` column.
+sweep's summary (`dflash2.evaluation.sweep`) writes it in its `note` column.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash2.copy_gap import replayable
+from dflash2.evaluation.copy_gap import replayable
 
 COPY_GAP_KEYS = ("copyable_share", "tau_copyable", "tau_other", "lookup_tau_copyable")  # its numbers, steps aside
 

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash2.chat_template import KWARGS_KEY, format_kwargs
-from dflash2.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint, plain, read_info
-from dflash2.config import DFlash2Config
-from dflash2.engines import SGLANG, V2_RUNNER, VLLM, review_engines, serve_flags
-from dflash2.lint import lint
-from dflash2.manifest import MANIFEST_KEY, METRICS_KEY, manifest_chat_template_kwargs
+from dflash2.export.check import lint
+from dflash2.export.engines import SGLANG, V2_RUNNER, VLLM, review_engines, serve_flags
+from dflash2.model.config import DFlash2Config
+from dflash2.target.chat_template import KWARGS_KEY, format_kwargs
+from dflash2.target.manifest import MANIFEST_KEY, METRICS_KEY, manifest_chat_template_kwargs
+from dflash2.training.checkpoint import draft_from_checkpoint, find_checkpoint, load_checkpoint, plain, read_info
 
 # Where a Lightning checkpoint keeps the datamodule's hyper-parameters (`CHECKPOINT_HYPER_PARAMS_KEY` of a
 # LightningDataModule): DFlashDataModule's hold the chat template arguments training rendered the data with.
@@ -90,7 +90,7 @@ Check the folder against the DFlash2 contract with `python export.py check=<this
 
 def serving(cfg: DFlash2Config, served: str) -> str:
     """The card's serving section: the serve commands as SGLang 0.5.23 and vLLM 0.33.0 take them, and what they cannot
-    serve (`dflash2.engines.review_engines`, the review `export.py check` prints)."""
+    serve (`dflash2.export.engines.review_engines`, the review `export.py check` prints)."""
     engines = review_engines(cfg.to_dict())
     b = cfg.block_size
     flags = serve_flags(cfg.extra.get(MANIFEST_KEY))
@@ -146,7 +146,7 @@ def served_target(manifest: dict[str, Any]) -> str:
     """What the card's serve commands load: the manifest's `serve_model` (a hub id, or a local folder the user gave);
     for manifests written before it, the folder training loaded unless that is a dequantized copy of the embedded
     SmolLM2 in some machine's cache, which is served as SmolLM2's hub id; else a placeholder to fill in."""
-    from dflash2.locate import SMOLLM2_HUB_ID, is_dequantized_smollm2
+    from dflash2.target.locate import SMOLLM2_HUB_ID, is_dequantized_smollm2
 
     target = manifest.get("target") or "<target model>"
     placeholder = f"<hub id or folder of {target}>"

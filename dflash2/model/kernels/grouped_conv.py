@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.kernels._backend import triton, use_triton
+from dflash2.model.kernels._backend import triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -148,7 +148,7 @@ class _GroupedConv(torch.autograd.Function):
 
 
 def _check(hidden: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> None:
-    """The tensors' shapes fit each other (which values are valid drafter fields is dflash2.contract's to say)."""
+    """The tensors' shapes fit each other (which values are valid drafter fields is dflash2.model.contract's to say)."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [tokens, hidden], got shape {tuple(hidden.shape)}")
     n_tokens, hidden_size = hidden.shape

@@ -2,7 +2,7 @@
 
 One verify step per batch: a proposer fills the block `[anchor, d_1 .. d_{B-1}]`, the target scores the whole
 block in one forward pass, and every request keeps `accepted + 1` tokens. The proposer is a DFlash2 drafter
-(`Drafter`: one forward pass over the block) or prompt lookup (`dflash2.lookup.PromptLookup`, the training-free
+(`Drafter`: one forward pass over the block) or prompt lookup (`dflash2.decoding.lookup.PromptLookup`, the training-free
 baseline); both run through the same loop, verify and bookkeeping, so their statistics compare like for like.
 
 Ragged acceptance without ragged caches: every step appends all B block slots to the target's KV cache and to
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from dflash2.config import in_window
-from dflash2.contract import check_block_size
-from dflash2.model import DFlash2DraftModel, DraftCache
-from dflash2.selector import head_logits
+from dflash2.model.config import in_window
+from dflash2.model.contract import check_block_size
+from dflash2.model.drafter import DFlash2DraftModel, DraftCache
+from dflash2.model.selector import head_logits
 
 
 @dataclasses.dataclass
@@ -284,8 +284,8 @@ def select_caches(keep: torch.Tensor, cache: Any, draft_cache: DraftCache | None
 
 # ---------------------------------------------------------------------------------------------- proposers
 class Proposer(Protocol):
-    """What the decode loop asks of a proposer: `Drafter` below, or `dflash2.lookup.PromptLookup`, which plugs in
-    from its own module (this one names no proposer it does not define)."""
+    """What the decode loop asks of a proposer: `Drafter` below, or `dflash2.decoding.lookup.PromptLookup`, which plugs
+    in from its own module (this one names no proposer it does not define)."""
 
     def slots(self, block_size: int) -> int:
         """How many of a block's B - 1 proposing slots it fills; refuses a block it cannot work with."""
@@ -392,7 +392,7 @@ def speculative_generate(
 ) -> list[Generation]:
     """Decode every prompt with draft-then-verify steps; greedy output equals the target's own greedy output.
 
-    `target` is a `dflash2.target.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache);
+    `target` is a `dflash2.target.model.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache);
     `draft` a drafter, or another proposer such as prompt lookup (`use_selector` is then moot)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")

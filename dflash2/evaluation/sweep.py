@@ -3,7 +3,7 @@
 `python evaluate.py -m ...` calls `SweepSummary.on_multirun_end` (a Hydra callback) once every run has finished;
 `summarize_sweep(<sweep dir>)` does the same for any folder of runs, e.g. after adding runs by hand. A value a run
 cannot have (tau_gap away from the drafter's trained block size, the copy gap of prompt lookup or at T > 0, ...) is
-an empty cell, and the row's `note` says why (`dflash2.eval_report.missing`).
+an empty cell, and the row's `note` says why (`dflash2.evaluation.report.missing`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 from hydra.experimental.callback import Callback
 
-from dflash2.eval_report import COPY_GAP_KEYS, missing
+from dflash2.evaluation.report import COPY_GAP_KEYS, missing
 
 log = logging.getLogger(__name__)
 # matplotlib is imported by the functions that plot: 0.3 s that every evaluate.py start would pay otherwise, and its

@@ -1,6 +1,6 @@
 """Prompt lookup decoding (PLD): the training-free baseline, proposing text the request already holds.
 
-It plugs into `dflash2.speculative.speculative_generate` in place of a drafter, so it is verified by the same
+It plugs into `dflash2.decoding.speculative.speculative_generate` in place of a drafter, so it is verified by the same
 lossless loop and measured by the same statistics (`python evaluate.py drafter=pld`).
 """
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash2.contract import check_block_size
+from dflash2.model.contract import check_block_size
 
 if TYPE_CHECKING:
-    from dflash2.speculative import Rows
+    from dflash2.decoding.speculative import Rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,9 @@
 references.
 """
 
-from dflash2.kernels._backend import backend, get_backend, set_backend
-from dflash2.kernels.grouped_conv import grouped_conv, grouped_conv_reference
-from dflash2.kernels.selector_walk import selector_walk, selector_walk_reference
+from dflash2.model.kernels._backend import backend, get_backend, set_backend
+from dflash2.model.kernels.grouped_conv import grouped_conv, grouped_conv_reference
+from dflash2.model.kernels.selector_walk import selector_walk, selector_walk_reference
 
 __all__ = [
     "backend",

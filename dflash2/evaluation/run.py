@@ -3,8 +3,8 @@
 One run = one drafter (or prompt lookup, `drafter=pld`) x one benchmark x one setting (temperature, block size,
 selector on/off). It writes `results.json` (acceptance statistics, speed, who was evaluated) and `samples.jsonl`
 (one line per request) into its run folder, prints a table and logs an offline W&B run. A drafter's greedy run also
-reports its copy gap (`dflash2.copy_gap`): where prompt lookup would have had a proposal accepted, and the taus
-there. `dflash2.sweep` summarises a multirun.
+reports its copy gap (`dflash2.evaluation.copy_gap`): where prompt lookup would have had a proposal accepted,
+and the taus there. `dflash2.evaluation.sweep` summarises a multirun.
 """
 
 from __future__ import annotations
@@ -23,26 +23,26 @@ import torch
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash2 import kernels
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
-from dflash2.config import DFlash2Config
-from dflash2.contract import check_block_size
-from dflash2.copy_gap import copy_gap, replayable
-from dflash2.eval_report import format_table, log_wandb
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.decoding.speculative import Generation, OnCommit, Sampling, speculative_generate, target_generate
+from dflash2.evaluation.copy_gap import copy_gap, replayable
+from dflash2.evaluation.report import format_table, log_wandb
+from dflash2.export.check import lint
 from dflash2.groups import build
-from dflash2.lint import lint
-from dflash2.lookup import PromptLookup
-from dflash2.manifest import (
+from dflash2.model import kernels
+from dflash2.model.config import DFlash2Config
+from dflash2.model.contract import check_block_size
+from dflash2.model.drafter import DFlash2DraftModel
+from dflash2.progress import DecodeProgress, quiet_libraries
+from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
+from dflash2.target.manifest import (
     MANIFEST_KEY,
     check_manifest,
     manifest_chat_template_kwargs,
     manifest_metric,
     target_identity,
 )
-from dflash2.model import DFlash2DraftModel
-from dflash2.progress import DecodeProgress, quiet_libraries
-from dflash2.speculative import Generation, OnCommit, Sampling, speculative_generate, target_generate
-from dflash2.target import resolve_device
+from dflash2.target.model import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def render(
     tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
 ) -> list[int]:
     """A conversation rendered with the target's chat template and `chat_template_kwargs`, ready for the assistant's
-    reply: the text training rendered the drafter's data with begins the same way (`dflash2.chat_template`)."""
+    reply: the text training rendered the drafter's data with begins the same way (`dflash2.target.chat_template`)."""
     if getattr(tokenizer, "chat_template", None):
         text = render_chat(tokenizer, messages, generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -337,7 +337,7 @@ def load_run(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftMo
 
 def bench_prompts(cfg: DictConfig) -> list[dict]:
     """The `bench` group's prompts (its first `bench.limit`), refused when there are none."""
-    from dflash2.bench import load_prompts
+    from dflash2.data.benches import load_prompts
 
     prompts = load_prompts(cfg.bench.name, cfg.bench.get("limit"))
     if not prompts:
@@ -432,7 +432,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     # tau_sim was measured at the trained block size: a gap at another size would compare different things.
     comparable = tau_sim is not None and block_size == described["trained_block_size"]
     results["tau_gap"] = tau_sim - results["tau"] if comparable else None
-    # Where prompt lookup would have done as well, replayed from the greedy text (dflash2.copy_gap): no decoding.
+    # Where prompt lookup would have done as well, replayed from the greedy text (evaluation.copy_gap): no decoding.
     results["copy_gap"] = copy_gap(samples, block_size) if replayable(described, settings["temperature"]) else None
     if reference:
         results["baseline"] = baseline_speed(reference, passes, results["tokens_per_s_passes"], settings["temperature"])

@@ -15,7 +15,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-from dflash2.contract import (
+from dflash2.export.engines import review_engines
+from dflash2.model.contract import (
     CONV_FIELDS,
     DIMS,
     SELECTOR_FIELDS,
@@ -24,8 +25,7 @@ from dflash2.contract import (
     review_config,
     tensor_table,
 )
-from dflash2.engines import review_engines
-from dflash2.manifest import MANIFEST_KEY
+from dflash2.target.manifest import MANIFEST_KEY
 
 CONV = re.compile(r"\.(attention_conv|mlp_conv)\.")
 SELECTOR = re.compile(r"^candidate_selector\.")
@@ -40,7 +40,7 @@ class LintReport:
     path: Path
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    # What SGLang and vLLM make of the folder (dflash2/engines.py): warnings never fail the check.
+    # What SGLang and vLLM make of the folder (dflash2/export/engines.py): warnings never fail the check.
     warnings: list[str] = dataclasses.field(default_factory=list)
     engines: list[str] = dataclasses.field(default_factory=list)
 
@@ -149,7 +149,7 @@ def _read_headers(report: LintReport) -> tuple[Tensors | None, set[str] | None]:
 def _check_config(
     raw: dict[str, Any], report: LintReport
 ) -> tuple[dict[str, int] | None, list[tuple[re.Pattern, str]]]:
-    """Report config.json's problems (dflash2.contract.review_config); return the fields of the tensor table, with
+    """Report config.json's problems (dflash2.model.contract.review_config); return the fields of the tensor table, with
     stand-ins that change no shape for invalid ones, and the tensor groups those leave unjudged."""
     review = review_config(raw)
     report.problems += [str(p) for p in review.problems]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash2 import kernels
+from dflash2.model import kernels
 
 
 class DFlashGroupedConv(nn.Module):

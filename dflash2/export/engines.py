@@ -4,8 +4,8 @@
 flags those releases take), and warnings for what they cannot serve or would serve differently from how the drafter
 was trained: a conv-only or selector-only DFlash2 shape, `target_layer_ids` out of ascending order or holding the
 target's last layer, a target whose architecture an engine captures no layers from. `export.py check` prints them
-(`dflash2/lint.py`), never as problems: the folder meets the contract, and our evaluator serves every shape. The
-model card's serving section is written from the same review (`dflash2/export.py: model_card`).
+(`dflash2/export/check.py`), never as problems: the folder meets the contract, and our evaluator serves every shape. The
+model card's serving section is written from the same review (`dflash2/export/writer.py: model_card`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from dflash2.contract import CONV_FIELDS, SELECTOR_FIELDS, review_config
-from dflash2.manifest import MANIFEST_KEY, manifest_chat_template_kwargs, target_architectures
+from dflash2.model.contract import CONV_FIELDS, SELECTOR_FIELDS, review_config
+from dflash2.target.manifest import MANIFEST_KEY, manifest_chat_template_kwargs, target_architectures
 
 SGLANG = "SGLang 0.5.23"
 VLLM = "vLLM 0.33.0"
@@ -95,7 +95,7 @@ def target_architecture(manifest: Mapping[str, Any] | None) -> str | None:
         return recorded[0]
     if not manifest:
         return None
-    from dflash2.locate import SMOLLM2_HUB_ID, is_dequantized_smollm2
+    from dflash2.target.locate import SMOLLM2_HUB_ID, is_dequantized_smollm2
 
     loaded = manifest.get("target_path")
     if manifest.get("serve_model") == SMOLLM2_HUB_ID or (loaded and is_dequantized_smollm2(str(loaded))):

@@ -18,10 +18,10 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
-from dflash2.config import DFlash2Config, tensor_shapes
-from dflash2.contract import SHARED_TENSORS, contract_name
-from dflash2.conv import DFlashGroupedConv
-from dflash2.selector import CandidateSelector
+from dflash2.model.config import DFlash2Config, tensor_shapes
+from dflash2.model.contract import SHARED_TENSORS, contract_name
+from dflash2.model.conv import DFlashGroupedConv
+from dflash2.model.selector import CandidateSelector
 
 try:  # flex attention carries the block-sparse training mask on GPUs; a dense mask does the same elsewhere
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

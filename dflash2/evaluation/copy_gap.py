@@ -1,12 +1,12 @@
 """The copy gap: where a drafter loses to prompt lookup, read from a greedy run's samples.
 
-At T = 0 the output is the target's greedy text whatever proposes, so every step of a drafter's run can be replayed:
-its committed tokens are the prompt and the output up to the step's anchor, and prompt lookup (`dflash2.lookup`)
-proposes from them; the lookup's accept length there is 1 + the proposals that match the output that follows. A step
-is "copyable" when that lookup would have had at least one proposal accepted. A drafter that uses its context accepts
-about as much as the lookup where the text repeats itself; where it accepts less, it loses to a rule that needs no
-training. `evaluate.py` reports the gap of each greedy drafter run (results.json's `copy_gap`);
-`benchmarks/copy_gap.py` replays the samples of sweeps measured before it did.
+At T = 0 the output is the target's greedy text whatever proposes, so every step of a drafter's run can be replayed: its
+committed tokens are the prompt and the output up to the step's anchor, and prompt lookup (`dflash2.decoding.lookup`)
+proposes from them; the lookup's accept length there is 1 + the proposals that match the output that follows. A step is
+"copyable" when that lookup would have had at least one proposal accepted. A drafter that uses its context accepts about
+as much as the lookup where the text repeats itself; where it accepts less, it loses to a rule that needs no training.
+`evaluate.py` reports the gap of each greedy drafter run (results.json's `copy_gap`); `benchmarks/copy_gap.py` replays
+the samples of sweeps measured before it did.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dflash2.lookup import PromptLookup
+from dflash2.decoding.lookup import PromptLookup
 
 
 def replayable(draft: Mapping[str, Any], temperature: float) -> bool:

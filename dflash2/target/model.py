@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash2.attention import NAME as GROUPED_SDPA
-from dflash2.attention import use_grouped_sdpa
-from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, render_chat
-from dflash2.locate import target_source
+from dflash2.target.attention import NAME as GROUPED_SDPA
+from dflash2.target.attention import use_grouped_sdpa
+from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, render_chat
+from dflash2.target.locate import target_source
 
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
@@ -153,11 +153,11 @@ class TargetModel(nn.Module):
         (configs/model/*.yaml, `dflash2.groups.build(cfg.model, target_layer_ids=..., device=...)`).
 
         `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
-        (`grouped_sdpa`, dflash2/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).
+        (`grouped_sdpa`, dflash2/target/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).
         `compile`: torch.compile the layers for the training features (`compile_mode`). `chat_template_kwargs`: the
-        chat template's extra arguments the target is chatted with (`dflash2.chat_template`). `layers=False`: only the
-        embedding, final norm and head are read from the weights, no decoder layer (training from a feature cache,
-        data.features); the forward then refuses to run."""
+        chat template's extra arguments the target is chatted with (`dflash2.target.chat_template`). `layers=False`:
+        only the embedding, final norm and head are read from the weights, no decoder layer (training from a feature
+        cache, data.features); the forward then refuses to run."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"model.{KWARGS_KEY}")  # before loading
@@ -389,7 +389,7 @@ def render_probe_chat(tokenizer: Any) -> str:
 def _without_layers(path: str, dtype: Any, kwargs: dict[str, Any]) -> nn.Module:
     """The causal LM at `path` built with no decoder layer, so that transformers reads none of their weights (they are
     left unexpected in the files, on purpose); its config then gets the target's depth back, so that the target's
-    identity (`dflash2.manifest.target_identity`) is the one a full load gives."""
+    identity (`dflash2.target.manifest.target_identity`) is the one a full load gives."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dflash2.config import DFlash2Config, tensor_shapes
-from dflash2.model import DFlash2DraftModel, check_tensors
+from dflash2.model.config import DFlash2Config, tensor_shapes
+from dflash2.model.drafter import DFlash2DraftModel, check_tensors
 
 PREFIX = "draft."
 CONFIG_KEY = "draft_config"

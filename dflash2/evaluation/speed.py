@@ -1,8 +1,8 @@
-"""`python -m dflash2.speed`: how much faster speculative decoding makes the target, predicted from measured costs and
+"""`python speed.py`: how much faster speculative decoding makes the target, predicted from measured costs and
 the drafter's acceptance, beside the speed-up measured by decoding (configs/speed.yaml).
 
 The model. A speculative step at batch b and block B takes s(b, B) = draft + verify + other seconds, the target
-alone's step s_a(b) = forward + other, each batch's prefill P(b, B) and P_a(b): all measured (`dflash2.costs`).
+alone's step s_a(b) = forward + other, each batch's prefill P(b, B) and P_a(b): all measured (`dflash2.decoding.costs`).
 The acceptance is the committed-length histogram at B of each reply (h_i(n) of its steps committed n tokens,
 n = 1..B), from an evaluate.py run of the bench's prompts; their sum is the run's `accept_hist`, whose mean is tau.
 Assumptions:
@@ -45,16 +45,17 @@ from typing import Any, TypeVar
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dflash2 import evaluation, kernels
-from dflash2.config import DFlash2Config
-from dflash2.contract import BLOCK_SIZE_RULE, valid_block_size
-from dflash2.costs import measure_costs
-from dflash2.manifest import MANIFEST_KEY
-from dflash2.model import DFlash2DraftModel
+from dflash2.decoding.costs import measure_costs
+from dflash2.decoding.speculative import Drafter
+from dflash2.evaluation import run as evaluation
+from dflash2.evaluation.speed_report import format_table
+from dflash2.model import kernels
+from dflash2.model.config import DFlash2Config
+from dflash2.model.contract import BLOCK_SIZE_RULE, valid_block_size
+from dflash2.model.drafter import DFlash2DraftModel
 from dflash2.progress import quiet_libraries
-from dflash2.speculative import Drafter
-from dflash2.speed_report import format_table
-from dflash2.target import resolve_device
+from dflash2.target.manifest import MANIFEST_KEY
+from dflash2.target.model import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -420,15 +421,3 @@ def _errors(predicted: Mapping[str, float], measured: Mapping[str, Any] | None) 
         return None
     keys = ("tokens_per_s", "target_tokens_per_s", "speedup")
     return {k: predicted[k] / measured[k] - 1 for k in keys if measured.get(k)}
-
-
-def main() -> None:
-    import hydra
-
-    from dflash2.groups import exit_on_bad_input
-
-    hydra.main(version_base="1.3", config_path="../configs", config_name="speed")(exit_on_bad_input(run))()
-
-
-if __name__ == "__main__":
-    main()

@@ -66,7 +66,7 @@ def use_triton(tensor: torch.Tensor, kernel: object) -> bool:
     if kernel is None:
         raise RuntimeError(
             "the 'triton' kernel backend was forced but triton is not importable; "
-            "install triton or use dflash2.kernels.set_backend('torch')"
+            "install triton or use dflash2.model.kernels.set_backend('torch')"
         )
     if not tensor.is_cuda and not is_interpreted(kernel):
         raise ValueError(

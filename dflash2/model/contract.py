@@ -2,7 +2,8 @@
 it implies.
 
 `review_config` lists every problem of a raw config.json dict. `DFlash2Config` raises on the first one, the linter
-(`dflash2.lint`) reports them all; nothing else re-checks a drafter's fields. `tensor_table` is section 3's table.
+(`dflash2.export.check`) reports them all; nothing else re-checks a drafter's fields. `tensor_table` is section 3's
+table.
 """
 
 from __future__ import annotations

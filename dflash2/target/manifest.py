@@ -27,7 +27,8 @@ MANIFEST_KEY = "dflash2_manifest"
 VOLATILE_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype"})
 # The validation metrics of the exported checkpoint, as logged ("val/tau_sim"), written by the export.
 METRICS_KEY = "metrics"
-# The chat template's extra arguments training rendered with (dflash2.chat_template.KWARGS_KEY), written by the export.
+# The chat template's extra arguments training rendered with (dflash2.target.chat_template.KWARGS_KEY), written by the
+# export.
 CHAT_TEMPLATE_KWARGS_KEY = "chat_template_kwargs"
 # A different value in any of these means the drafter was trained for another model.
 IDENTITY_FIELDS = ("target_config_hash", "vocab_hash")

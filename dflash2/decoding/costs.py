@@ -1,5 +1,5 @@
 """The measured cost of one decoding step: the draft, the verify forward, the rest of a speculative step, and the target
-alone's one-token step, at a batch and block size (what `dflash2.speed` predicts tokens/s from).
+alone's one-token step, at a batch and block size (what `dflash2.evaluation.speed` predicts tokens/s from).
 
 What is timed is the decode loop itself: `speculative_generate` and `target_generate` run on the batch's prompts with
 the target's `forward` and the proposer (`Drafter`, which runs the drafter and `propose`, or prompt lookup) wrapped
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dflash2.speculative import Proposer, Sampling, speculative_generate, target_generate
+from dflash2.decoding.speculative import Proposer, Sampling, speculative_generate, target_generate
 
 log = logging.getLogger(__name__)
 

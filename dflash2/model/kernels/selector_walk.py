@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.kernels._backend import triton, use_triton
+from dflash2.model.kernels._backend import triton, use_triton
 
 if triton is not None:
     import triton.language as tl

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash2 import kernels
+from dflash2.model import kernels
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
