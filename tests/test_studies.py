@@ -189,6 +189,11 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, monkeypatch, ov
     assert not work.exists()
 
 
+def test_a_study_without_a_work_folder_is_refused():
+    with pytest.raises(ValueError, match="set dir=WORK_DIR"):
+        run_study(compose("study", ["study=depth"]))
+
+
 def test_study_py_refuses_a_bad_setting_in_one_sentence(tmp_path):
     work = tmp_path / "work"
     command = [sys.executable, "study.py", "study=depth", f"dir={work}", "study.drafters=[layers4]"]
@@ -221,7 +226,7 @@ def test_taus_take_t0_b16_with_the_selector():
 
 
 def test_earlier_grids_fill_only_the_proposers_not_measured(tmp_path):
-    """study.from: a summary.csv file or a work folder (a study's evaluate/, the former acceptance.sh's sweeps/), the
+    """study.from: a summary.csv file or a work folder (a study's evaluate/, or a sweeps/ folder), the
     first one given first, each filling only proposers that neither the grid nor one before it measured."""
     here = pd.DataFrame([["gsm8k", "dflash2", "True", 0.0, 16, 2.0]], columns=COLUMNS)
     first = [["gsm8k", "pld", "", 0.0, 16, 3.0], ["gsm8k", "dflash2", "True", 0.0, 16, 9.0]]
@@ -617,7 +622,7 @@ def test_depth_json_with_each_runs_copy_gap_given_or_replayed(tmp_path):
 
 
 def test_a_training_record_from_a_former_work_folder(tmp_path):
-    """study.from's folders of the former acceptance.sh: train.<name>.log at their root and the run's Hydra record give
+    """study.from's folders laid out with train.<name>.log at their root: it and the run's Hydra record give
     the steps, minutes and command; without the run's config (its batch size) no conversations nor epochs."""
     steps = random.randint(100, 5000)
     (tmp_path / "train.dflash.log").write_text(

@@ -131,6 +131,8 @@ def settings_of(cfg: DictConfig) -> DictConfig:
 
 def check_simple(cfg: DictConfig, study: DictConfig) -> None:
     """The settings that need nothing loaded."""
+    if OmegaConf.is_missing(cfg, "dir") or not str(cfg.dir).strip():
+        raise ValueError("set dir=WORK_DIR: the study's work folder (rerun the same command there to resume)")
     if cfg.get("until") is not None and cfg.until not in STAGES:
         raise bad("until", cfg.until, f"choose a stage: {', '.join(STAGES)}")
     if study.collect not in COLLECTS:

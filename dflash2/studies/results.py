@@ -1,6 +1,5 @@
 """Reading what a study's commands left: the grid's taus, each training's log and validations, the probes' budgets, the
-copy gap of each T=0 run. Work folders of the former shell scripts (acceptance.sh: sweeps/, train.<name>.log) read
-too, for `study.from`.
+copy gap of each T=0 run. For `study.from`, work folders laid out as sweeps/summary.csv and train.<name>.log read too.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ def by_draft(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def summary_of(path: Path) -> Path:
-    """An earlier grid's summary.csv: the file given, or the one in the work folder given (a study's evaluate/, or
-    the sweeps/ of the former acceptance.sh)."""
+    """An earlier grid's summary.csv: the file given, or the one in the work folder given (a study's evaluate/, or a
+    sweeps/ folder)."""
     if not path.is_dir():
         return path
     return next((p for p in (path / "evaluate" / "summary.csv", path / "sweeps" / "summary.csv") if p.is_file()), path)
@@ -85,7 +84,7 @@ def training(log: Path, batch_size: int | None) -> dict[str, Any]:
 
 
 def train_log(work: Path, name: str) -> Path:
-    """A drafter's train.py output: a study's logs/train.<name>.log, or the former scripts' train.<name>.log."""
+    """A drafter's train.py output: a study's logs/train.<name>.log, or a train.<name>.log at the folder's root."""
     return next((p for p in (work / "logs" / f"train.{name}.log", work / f"train.{name}.log") if p.is_file()), work)
 
 
