@@ -13,7 +13,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -184,7 +183,7 @@ def test_decode_step_small_times_both_attentions(tmp_path):
         assert all(0 <= row[f"{a}_max_abs_error"] <= 1e-4 for a in decode_step.ATTENTIONS), row
 
 
-# ---------------------------------------------------------------------------------------------- acceptance_vs_pld.py
+# ---------------------------------------------------------------------------------------------- generate_call.py
 def test_generate_call_small_times_each_cache_and_width(tmp_path):
     out = tmp_path / "generate_call.json"
     argv = ["--small", "--batch", "2", "--steps", "3", "--width", "5", "--cache", "32", "64", "--widths", "7", "9"]
@@ -218,84 +217,6 @@ def test_feature_storage_small_measures_each_way_within_its_rounding(tmp_path):
         assert row["bytes_per_token"] == size or (size is None and 0 < row["bytes_per_token"] < 2 * width + 64)
         assert all(0 < layer["max_error_over_token_amax"] <= bound for layer in row["layers"]), row
         assert all(layer["relative_error"] > 0 for layer in row["layers"]), row
-
-
-def test_acceptance_vs_pld_reads_the_grid_and_the_training_logs(tmp_path):
-    """A work folder as acceptance.sh leaves it: the T=0 block-16 taus by bench, steps/epochs/minutes, the goals."""
-    rng = random.Random(random.randrange(2**63))
-    benches = ["gsm8k", "humaneval", "mtbench"]
-    rows, want = [], {}
-    for bench in benches:
-        for draft, selector in (("pld", ""), ("dflash", "False"), ("dflash2", "True")):
-            tau = rng.uniform(1, 4)
-            want.setdefault(bench, {})[draft] = tau
-            rows.append([bench, draft, selector, 0.0, 16, tau])
-            rows.append([bench, draft, selector, 1.0, 16, rng.uniform(1, 4)])  # other settings are left out
-            rows.append([bench, draft, selector, 0.0, 8, rng.uniform(1, 4)])
-        rows.append([bench, "dflash2", "False", 0.0, 16, rng.uniform(1, 4)])  # the selector off: not the drafter
-    (tmp_path / "sweeps").mkdir()
-    columns = ["bench", "draft", "selector", "temperature", "block_size", "tau"]
-    pd.DataFrame(rows, columns=columns).to_csv(tmp_path / "sweeps" / "summary.csv", index=False)
-    steps, chats, batch = rng.randint(100, 5000), rng.randint(1000, 20000), rng.choice([2, 4])
-    (tmp_path / "train.dflash2.log").write_text(
-        f"[x][INFO] - {chats} training and 256 validation chats\nsteps       {steps} in 12.5 min\n"
-    )
-    (tmp_path / "runs" / "dflash2" / ".hydra").mkdir(parents=True)
-    config = f"data:\n  batch_size: {batch}\n  path: a.jsonl\n  extra_paths: [b.jsonl, c.jsonl]\n"
-    (tmp_path / "runs" / "dflash2" / ".hydra" / "config.yaml").write_text(config)
-    (tmp_path / "runs" / "dflash2" / ".hydra" / "overrides.yaml").write_text("- experiment=gpu_smollm2\n- a=1\n")
-    result = load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash,dflash2"])
-    assert json.loads((tmp_path / "acceptance_vs_pld.json").read_text()) == json.loads(json.dumps(result))
-    assert result["tau"].keys() == want.keys()
-    for bench in benches:
-        assert result["tau"][bench] == pytest.approx(want[bench])
-    run = result["training"]["dflash2"]
-    assert run["steps"] == steps and run["minutes"] == 12.5 and run["conversations"] == steps * batch
-    assert run["epochs"] == pytest.approx(steps * batch / chats) and run["data"] == "a.jsonl, b.jsonl, c.jsonl"
-    assert run["command"] == "python train.py experiment=gpu_smollm2 a=1" and result["training"]["dflash"] == {}
-    (tmp_path / "runs" / "dflash2" / ".hydra" / "config.yaml").unlink()  # its batch size unknown: no epochs
-    run = load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash2"])["training"]["dflash2"]
-    assert run["steps"] == steps and "epochs" not in run and "conversations" not in run
-    ratio = want["gsm8k"]["dflash2"] / want["gsm8k"]["pld"]
-    goals = result["goals"]["dflash2"]
-    assert result["goals"].keys() == {"dflash2"}  # dflash is no DFlash2 drafter
-    assert goals["over_pld"]["gsm8k"] == pytest.approx(ratio) and goals["gsm8k_1.5x_pld"] == (ratio >= 1.5)
-    assert goals["above_pld_everywhere"] == all(want[b]["dflash2"] > want[b]["pld"] for b in benches)
-    over = [want[b]["dflash2"] / want[b]["dflash"] >= 1.25 for b in ("gsm8k", "humaneval")]
-    assert goals["1.25x_dflash_gsm8k_humaneval"] == all(over)
-
-
-def test_acceptance_vs_pld_takes_the_proposers_it_lacks_from_earlier_grids(tmp_path):
-    """--from: an earlier summary fills only the proposers this grid did not measure, the first file first."""
-    rng = random.Random(random.randrange(2**63))
-    columns = ["bench", "draft", "selector", "temperature", "block_size", "tau"]
-    here, pld, dflash = (rng.uniform(1, 4) for _ in range(3))
-    (tmp_path / "sweeps").mkdir()
-    pd.DataFrame([["gsm8k", "dflash2", "True", 0.0, 16, here]], columns=columns).to_csv(
-        tmp_path / "sweeps" / "summary.csv", index=False
-    )
-    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
-    pd.DataFrame(
-        [["gsm8k", "pld", "", 0.0, 16, pld], ["gsm8k", "dflash2", "True", 0.0, 16, here + 1]], columns=columns
-    ).to_csv(first, index=False)  # its dflash2 row is not this grid's drafter: left out
-    pd.DataFrame(
-        [["gsm8k", "pld", "", 0.0, 16, pld + 1], ["gsm8k", "dflash", "False", 0.0, 16, dflash]], columns=columns
-    ).to_csv(second, index=False)  # its pld row comes after the first file's: left out
-    argv = [str(tmp_path), "--drafters", "dflash,dflash2", "--from", str(first), str(second)]
-    result = load("acceptance_vs_pld").main(argv)
-    assert result["tau"] == {"gsm8k": pytest.approx({"dflash2": here, "pld": pld, "dflash": dflash})}
-    assert result["from"] == [str(first), str(second)]
-    assert result["goals"]["dflash2"]["over_pld"]["gsm8k"] == pytest.approx(here / pld)
-    assert "from" not in load("acceptance_vs_pld").main([str(tmp_path), "--drafters", "dflash2"])
-    # An earlier work folder: its grid's rows and the training record of the drafter it trained.
-    folder = tmp_path / "earlier"
-    (folder / "sweeps").mkdir(parents=True)
-    second.rename(folder / "sweeps" / "summary.csv")
-    steps = rng.randint(100, 5000)
-    (folder / "train.dflash.log").write_text(f"steps       {steps} in 19.5 min\n")
-    result = load("acceptance_vs_pld").main([*argv[:-1], str(folder)])
-    assert result["tau"]["gsm8k"]["dflash"] == pytest.approx(dflash) and result["from"][-1] == str(folder)
-    assert result["training"]["dflash"]["steps"] == steps and result["training"]["dflash"]["minutes"] == 19.5
 
 
 def test_target_pass_small_times_each_mode_against_the_first(tmp_path):
@@ -418,108 +339,6 @@ def test_bench_tau_sim_rebuilds_each_chat_from_the_samples(tmp_path, monkeypatch
     ]
     (run / "results.json").write_text(json.dumps(results | {"temperature": 1.0}))
     assert bench_tau_sim.bench_chats(run, Tokenizer()) is None  # sampled text is not the target's greedy text
-
-
-# ---------------------------------------------------------------------------------------------- ablation.py
-def test_ablation_table_reads_the_last_validation_and_the_measured_tau(tmp_path):
-    """A work dir as ablation.sh leaves it, with fresh random numbers: a run resumed once (two CSV versions), one never
-    evaluated, PLD. The table takes each run's last validation and its sweeps' tau, PLD beside them."""
-    import random
-
-    import pandas as pd
-
-    ablation = load("ablation")
-    rng = random.Random(random.randrange(2**63))
-    benches = ["gsm8k", "humaneval", "sharegpt"]
-    truth = {}
-    for name in ("dflash2", "distill1", "dflash"):
-        run = tmp_path / "runs" / name
-        # Lightning's CSV `step` of a validation inside a fit is one behind the global step: steps 0, 2, 4, 6 here.
-        vals = [
-            {"step": s, "val/tau_sim": 1 + rng.random(), "val/loss_ce": rng.uniform(5, 10)}
-            | {f"val/acc_{k}": rng.random() for k in (1, 2, 3)}
-            for s in (0, 1, 3, 5)
-        ]
-        train_rows = [{"step": s, "train/loss": rng.random()} for s in (0, 2, 4)]
-        for version, part in enumerate((vals[:3] + train_rows[:2], vals[3:] + train_rows[2:])):
-            (run / "csv" / f"version_{version}").mkdir(parents=True)
-            pd.DataFrame(part).to_csv(run / "csv" / f"version_{version}" / "metrics.csv", index=False)
-        # A resumed run's train.log has the summary of each part; the last one is the run's.
-        (run / "train.log").write_text("done\nsteps       4 in 1.5 min\n...\nsteps       6 in 2.5 min\n")
-        truth[name] = vals[-1]
-    for name in ("dflash2", "dflash", "pld"):
-        for i, bench in enumerate(benches):
-            (tmp_path / "sweeps" / name / str(i)).mkdir(parents=True)
-            tau = 1 + rng.random()
-            (tmp_path / "sweeps" / name / str(i) / "results.json").write_text(json.dumps({"bench": bench, "tau": tau}))
-            truth.setdefault(f"tau/{name}", {})[bench] = tau
-
-    variants = {n: ablation.VARIANTS[n] for n in ("dflash2", "distill1", "dflash")}
-    result = ablation.collect(tmp_path, variants)
-    assert [r["name"] for r in result["variants"]] == list(variants)
-    for row in result["variants"]:
-        last = truth[row["name"]]
-        assert row["overrides"] == ablation.VARIANTS[row["name"]] and row["steps"] == 6 and row["train_minutes"] == 2.5
-        for key in ("tau_sim", "acc_1", "acc_2", "acc_3", "loss_ce"):
-            assert row[key] == pytest.approx(last[f"val/{key}"]), key
-        assert row["tau"] == truth.get(f"tau/{row['name']}", {})
-    assert result["pld"]["tau"] == truth["tau/pld"]
-
-    frame = ablation.table(result)
-    assert list(frame.index) == [*variants, "pld"]
-    gain = truth["dflash"]["val/tau_sim"] - truth["dflash2"]["val/tau_sim"]
-    assert frame.loc["dflash", "d_tau_sim"] == pytest.approx(gain)
-    assert frame.loc["pld", "humaneval"] == pytest.approx(truth["tau/pld"]["humaneval"])
-    assert pd.isna(frame.loc["distill1", "gsm8k"]) and pd.isna(frame.loc["pld", "tau_sim"])
-
-    ablation.main(["table", str(tmp_path), ",".join(variants)])
-    assert json.loads((tmp_path / "ablation.json").read_text()) == json.loads(json.dumps(result))
-
-
-def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(chats):
-    """Every variant's overrides compose with the GPU experiment, pass train.py's checks (the target's config.json
-    only) and change the baseline's config."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from dflash2.training.checks import check_config
-    from dflash2.training.run import register_resolvers
-
-    ablation = load("ablation")
-    register_resolvers()
-    common = ["experiment=gpu_smollm2", f"data.path={chats}", "data.extra_paths=[]", "run_dir=unused"]
-    with initialize_config_dir(config_dir=str(BENCHMARKS.parent / "configs"), version_base="1.3"):
-        # The warm variant's export is ablation.sh's DFLASH_EXPORT: here the shipped DFlash drafter.
-        export = str(BENCHMARKS.parent / "artifacts" / "drafters" / "smollm2-dflash")
-        configs = {
-            name: compose("train", overrides=common + [x.replace("@DFLASH_EXPORT@", export) for x in o])
-            for name, o in ablation.VARIANTS.items()
-        }
-    baseline = OmegaConf.to_container(configs.pop(ablation.BASELINE), resolve=True)
-    assert ablation.VARIANTS[ablation.BASELINE] == []
-    for name, cfg in configs.items():
-        check_config(cfg)
-        assert OmegaConf.to_container(cfg, resolve=True) != baseline, name
-
-
-def test_ablation_variants_see_the_baselines_conversations(capsys):
-    """`variants STEPS VAL` gives each variant the steps and validation interval that see as many conversations as
-    the baseline's STEPS and VAL, whatever its batch; a budget that a batch cannot split is refused, naming STEPS."""
-    ablation = load("ablation")
-    base = ablation.batch_size([])
-    other = next(ablation.batch_size(o) for o in ablation.VARIANTS.values() if ablation.batch_size(o) != base)
-    unit = other // math.gcd(other, base)
-    steps, val = unit * random.randint(50, 500), unit * random.randint(5, 50)
-    ablation.main(["variants", str(steps), str(val)])
-    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert [line[0] for line in lines] == list(ablation.VARIANTS)
-    for name, got_steps, got_val, *overrides in lines:
-        batch = ablation.batch_size(overrides)
-        assert overrides == ablation.VARIANTS[name]
-        assert (int(got_steps) * batch, int(got_val) * batch) == (steps * base, val * base), name
-    odd = 3 * base  # a batch that the baseline's steps + 1 cannot fill
-    with pytest.raises(SystemExit, match="STEPS"):
-        ablation.schedule([f"data.batch_size={odd}"], 3 * steps + 1, 3 * val)
 
 
 def test_copy_probe_trains_on_loops_with_the_oracles_features(tmp_path):

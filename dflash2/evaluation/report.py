@@ -34,7 +34,7 @@ def missing(results: dict[str, Any]) -> list[str]:
         why.append(f"{no_gap}: this is prompt lookup's own run, the one the gap replays")
     elif not replayable(draft, r["temperature"]):
         why.append(f"{no_gap}: at T > 0 the output depends on what was proposed, so no step can be replayed")
-    elif "copy_gap" not in r:
+    elif gap is None:  # a greedy drafter run always records it: this results.json was written before it did
         why.append(f"{no_gap}: results.json predates it (python benchmarks/copy_gap.py replays the samples)")
     elif gap["steps"] == 0:
         why.append("no tau_copyable, tau_other, lookup_tau_copyable: the run has no verify step")
