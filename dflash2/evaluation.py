@@ -22,7 +22,7 @@ import torch
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash2 import kernels
+from dflash2 import kernels, static_decode
 from dflash2.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
 from dflash2.config import DFlash2Config
 from dflash2.contract import check_block_size
@@ -75,9 +75,10 @@ def check_drafter(drafter: Any) -> None:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Everything about a run that can be refused without loading anything: the drafter, `repeats`, `block_size` and
-    prompt lookup's settings."""
+    """Everything about a run that can be refused without loading anything: the drafter, `repeats`, `block_size`,
+    `decode` / `compile` and prompt lookup's settings."""
     check_drafter(cfg.get("drafter"))
+    static_decode.decode_mode(cfg.get("decode", "plain"), cfg.get("compile", False))
     repeats = int(cfg.repeats)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
@@ -290,15 +291,18 @@ def decode(
     generator: torch.Generator,
     on_commit: OnCommit | None = None,
 ) -> list[Generation]:
-    """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None."""
+    """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None; on the
+    fast path (dflash2/static_decode.py) with decode=static."""
     sampling = Sampling(**{f.name: settings[f.name] for f in dataclasses.fields(Sampling)})
     length = settings["max_new_tokens"]
+    device = target.lm_head_weight.device
+    fast = static_decode.decode_mode(settings.get("decode", "plain"), settings.get("compile"), device)
+    alone = target_generate if fast is None else functools.partial(static_decode.target_generate, fast=fast)
     if draft is None:
-        return target_generate(target, prompt_ids, length, sampling, generator, on_commit)
+        return alone(target, prompt_ids, length, sampling, generator, on_commit)
+    spec = speculative_generate if fast is None else functools.partial(static_decode.speculative_generate, fast=fast)
     block_size, use_selector = settings["block_size"], settings["use_selector"]
-    return speculative_generate(
-        target, draft, prompt_ids, block_size, length, sampling, use_selector, generator, on_commit
-    )
+    return spec(target, draft, prompt_ids, block_size, length, sampling, use_selector, generator, on_commit)
 
 
 def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -> dict[str, Any]:
@@ -351,6 +355,8 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         top_p=float(cfg.top_p),
         stop_ids=stop_token_ids(target, list(cfg.stop_tokens)),
         batch_size=int(cfg.batch_size),
+        decode=cfg.get("decode", "plain"),
+        compile=cfg.get("compile", False),
     )
     seed = int(cfg.seed)
     # Each pass starts from the same seed; with `baseline` the target alone follows each pass, so the two speeds

@@ -64,7 +64,7 @@ class PromptLookup:
             )
         return block_size - 1 if self.num_tokens is None else self.num_tokens
 
-    def new_cache(self) -> None:
+    def new_cache(self, capacity: int | None = None) -> None:
         return None  # nothing to cache: the lookup reads the committed tokens only
 
     def pending(self, hidden: torch.Tensor | None, kept: torch.Tensor) -> None:
