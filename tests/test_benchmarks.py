@@ -183,6 +183,25 @@ def test_decode_step_small_times_both_attentions(tmp_path):
         assert all(0 <= row[f"{a}_max_abs_error"] <= 1e-4 for a in decode_step.ATTENTIONS), row
 
 
+# ---------------------------------------------------------------------------------------------- decode_profile.py
+def test_decode_profile_small_splits_each_paths_steps(tmp_path):
+    out = tmp_path / "decode_profile.json"
+    result = load("decode_profile").main(["--small", "--batch", "1", "2", "--tokens", "6", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["timer"] == "cpu_wall" and [r["batch"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["identical_outputs"] and set(row["paths"]) == {"plain", "static"}  # no compile by default on a CPU
+        for path in row["paths"].values():
+            parts = path["parts"]
+            assert set(parts) == {"verify", "draft", "conv_selector"}
+            assert all(finite_positive(p["host_ms"]) and p["device_ms"] is None for p in parts.values()), path
+            assert path["other_host_ms"] >= 0 and path["syncs_per_step"] is None
+            total = sum(p["host_ms"] for p in parts.values()) + path["other_host_ms"]
+            assert path["wall_ms_per_step"] == pytest.approx(total)
+            # every request ends at the budget: 1 token from the prefill, then tau per verify step
+            assert path["tokens"] == 6 * row["batch"] and 1 <= path["tau"] <= result["block_size"]
+
+
 # ---------------------------------------------------------------------------------------------- generate_call.py
 def test_generate_call_small_times_each_cache_and_width(tmp_path):
     out = tmp_path / "generate_call.json"

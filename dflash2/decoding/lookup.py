@@ -68,7 +68,7 @@ class PromptLookup:
         """The settings as results.json records them, `num_tokens` resolved at `block_size`."""
         return dataclasses.asdict(self) | {"num_tokens": self.slots(block_size)}
 
-    def new_cache(self) -> None:
+    def new_cache(self, capacity: int | None = None) -> None:
         return None  # nothing to cache: the lookup reads the committed tokens only
 
     def pending(self, hidden: torch.Tensor | None, kept: torch.Tensor) -> None:

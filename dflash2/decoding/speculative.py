@@ -12,7 +12,9 @@ caches once they outnumber the committed slots. `key_mask` ([b, slots], 1 = a co
 are exactly those of plain decoding. Prompts are right-padded: a padded query row then still sees its prompt,
 so no attention row is ever empty (an empty row makes NaN that leaks through masked keys).
 
-All randomness comes from one seeded `torch.Generator`, so a run is reproducible.
+All randomness comes from one seeded `torch.Generator`, so a run is reproducible. The fast path
+(dflash2/decoding/static.py) keeps finished rows in its batch; `live` (the rows still decoding) keeps them from drawing,
+so that it draws exactly what this loop draws.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from dflash2.model.config import in_window
 from dflash2.model.contract import check_block_size
-from dflash2.model.drafter import DFlash2DraftModel, DraftCache
+from dflash2.model.drafter import DFlash2DraftModel, DraftCache, StaticDraftCache
 from dflash2.model.selector import head_logits
 
 
@@ -56,10 +58,26 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     return torch.softmax(scores, dim=-1).view(logits.shape)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs [..., V] -> [...]."""
+def sample(probs: torch.Tensor, generator: torch.Generator, live: torch.Tensor | None = None) -> torch.Tensor:
+    """One draw per row of probs [b, ..., V] -> [b, ...]. `live` (row indices, None = all): only those rows draw, in
+    order, as a batch of just them would; the others get 0."""
+    if live is not None:
+        out = torch.zeros(probs.shape[:-1], dtype=torch.long, device=probs.device)
+        out[live] = sample(probs[live], generator)
+        return out
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def uniform(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device, live: torch.Tensor | None = None
+) -> torch.Tensor:
+    """torch.rand of shape [b, ...]; with `live` (row indices) only those rows draw, as in `sample`."""
+    if live is None:
+        return torch.rand(shape, generator=generator, device=device)
+    out = torch.zeros(shape, device=device)
+    out[live] = torch.rand((live.shape[0], *shape[1:]), generator=generator, device=device)
+    return out
 
 
 def selector_q(candidate_ids: torch.Tensor, q: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -82,18 +100,19 @@ def propose(
     use_selector: bool,
     vocab: int,
     generator: torch.Generator,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft hidden of the proposing slots [b, S, H] -> (tokens [b, S], q [b, S, vocab] or None when greedy).
 
     q is the distribution each token was really drawn from: the walk's softmax over its K candidates with a
-    selector, the full-vocabulary softmax without one."""
+    selector, the full-vocabulary softmax without one. `live`: the rows that draw (`sample`)."""
     b, n_slots, _ = hidden.shape
     greedy = temperature == 0
     selector = draft.candidate_selector if use_selector else None
     if selector is not None:
         candidates, unary = selector.compute_candidates(hidden, lm_head_weight)
         scores = selector.build_lattice(candidates, unary, hidden, anchors)
-        uniforms = torch.rand(b, n_slots, generator=generator, device=hidden.device)
+        uniforms = uniform((b, n_slots), generator, hidden.device, live)
         temperatures = torch.full((b,), max(temperature, 1e-5), device=hidden.device)
         greedy_mask = torch.full((b,), greedy, dtype=torch.bool, device=hidden.device)
         tokens, q = selector.walk(candidates, scores, uniforms, temperatures, greedy_mask)
@@ -102,7 +121,7 @@ def propose(
     if greedy:
         return logits.argmax(-1), None
     q = torch.softmax(logits / temperature, dim=-1)
-    return sample(q, generator), F.pad(q, (0, vocab - q.shape[-1]))
+    return sample(q, generator, live), F.pad(q, (0, vocab - q.shape[-1]))
 
 
 def verify(
@@ -113,12 +132,14 @@ def verify(
     top_k: int,
     top_p: float,
     generator: torch.Generator,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits over the block [b, B, V] verify proposals [b, B-1] -> (accepted [b], bonus token [b]).
 
     q [b, B-1, V] is what each proposal was drawn from; None: each proposal is a point mass (a deterministic
     proposer), which keeps sampling lossless too. Logits at block index j predict the token at j + 1, so proposal
-    s is checked against logits[:, s - 1] and the bonus comes from logits[:, accepted]."""
+    s is checked against logits[:, s - 1] and the bonus comes from logits[:, accepted]. `live`: the rows that draw
+    (`sample`)."""
     rows = torch.arange(logits.shape[0], device=logits.device)
     if temperature == 0:
         best = logits.argmax(-1)
@@ -130,7 +151,7 @@ def verify(
     p_d = p[:, :-1].gather(-1, proposals[..., None]).squeeze(-1)
     q_d = q.gather(-1, proposals[..., None]).squeeze(-1)
     # Accept d with probability min(1, p(d) / q(d)); q(d) > 0 because d was drawn from q.
-    uniforms = torch.rand(proposals.shape, generator=generator, device=logits.device)
+    uniforms = uniform(proposals.shape, generator, logits.device, live)
     accepted = (uniforms * q_d < p_d).long().cumprod(-1).sum(-1)
     # A zero q after the last slot turns the residual max(p - q, 0) into p itself: the all-accepted bonus.
     q_after = F.pad(q, (0, 0, 0, 1))[rows, accepted]
@@ -138,15 +159,20 @@ def verify(
     residual = (p_at - q_after).clamp(min=0)
     # p == q leaves nothing to resample; rejection then has probability 0, any distribution is fine.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    return accepted, sample(residual / residual.sum(-1, keepdim=True), generator)
+    return accepted, sample(residual / residual.sum(-1, keepdim=True), generator, live)
 
 
 def first_token(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if temperature == 0:
         return logits.argmax(-1)
-    return sample(target_probs(logits, temperature, top_k, top_p), generator)
+    return sample(target_probs(logits, temperature, top_k, top_p), generator, live)
 
 
 # ---------------------------------------------------------------------------------------------- bookkeeping
@@ -206,6 +232,7 @@ class Rows:
     # [b, c, n*H] target features of the last c slots, not yet in the drafter's cache; None without a drafter
     features: torch.Tensor | None
     tokens: torch.Tensor  # [b, capacity] the committed tokens without holes: tokens[:, :lengths], the anchor, junk
+    live: torch.Tensor | None = None  # indices of the rows still decoding, where finished ones stay; None = every row
 
     def select(self, keep: torch.Tensor) -> Rows:
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
@@ -271,6 +298,13 @@ def compact(rows: Rows, cache: Any, draft_cache: DraftCache | None) -> Rows:
     return dataclasses.replace(rows, key_mask=take(rows.key_mask, 1), positions=take(rows.positions, 1))
 
 
+def committed(proposals: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor) -> list[list[int]]:
+    """Each row's tokens of a verify step: its accepted proposals, then the bonus. One copy to the host, the step's
+    one wait for the device."""
+    host = torch.cat([proposals, accepted[:, None], bonus[:, None]], -1).tolist()
+    return [row[: row[-2]] + [row[-1]] for row in host]
+
+
 def map_draft_cache(draft_cache: DraftCache | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     if draft_cache is not None:
         draft_cache.keys = [None if k is None else fn(k) for k in draft_cache.keys]
@@ -291,8 +325,9 @@ class Proposer(Protocol):
         """How many of a block's B - 1 proposing slots it fills; refuses a block it cannot work with."""
         ...
 
-    def new_cache(self) -> Any:
-        """A fresh cache of its own for a batch (None: it keeps none)."""
+    def new_cache(self, capacity: int | None = None) -> Any:
+        """A fresh cache of its own for a batch (None: it keeps none); with `capacity`, a static one of that many
+        slots per row (`dflash2.model.drafter.StaticDraftCache`)."""
         ...
 
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> Any:
@@ -321,8 +356,9 @@ class Drafter:
     def slots(self, block_size: int) -> int:
         return block_size - 1  # one forward proposes every slot, at any block size
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache(self.draft.config.num_hidden_layers)
+    def new_cache(self, capacity: int | None = None) -> DraftCache:
+        layers = self.draft.config.num_hidden_layers
+        return DraftCache(layers) if capacity is None else StaticDraftCache(layers, capacity)
 
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """What the next draft forward takes in: the target features of the slots just verified."""
@@ -358,6 +394,7 @@ class Drafter:
             use_selector=self.use_selector,
             vocab=target.lm_head_weight.shape[0],
             generator=generator,
+            live=rows.live,
         )
 
 
@@ -378,6 +415,19 @@ class Sampling:
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
+def run_proposer(
+    target: Any, draft: DFlash2DraftModel | Proposer, block_size: int, max_new_tokens: int, use_selector: bool
+) -> Proposer:
+    """The proposer of a run, its settings checked before the first batch (a block too small for the lookup's
+    num_tokens fails now)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
+    check_block_size(block_size)
+    proposer = Drafter(target, draft, use_selector) if isinstance(draft, DFlash2DraftModel) else draft
+    proposer.slots(block_size)
+    return proposer
+
+
 @torch.no_grad()
 def speculative_generate(
     target: Any,
@@ -394,13 +444,8 @@ def speculative_generate(
 
     `target` is a `dflash2.target.model.TargetModel` (forward -> logits, hidden of the drafter's layers, KV cache);
     `draft` a drafter, or another proposer such as prompt lookup (`use_selector` is then moot)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
-    check_block_size(block_size)
-    proposer = Drafter(target, draft, use_selector) if isinstance(draft, DFlash2DraftModel) else draft
-    proposer.slots(block_size)  # a block too small for the lookup's num_tokens fails now, not in the first batch
-    device = target.lm_head_weight.device
-    generator = generator or torch.Generator(device=device).manual_seed(0)
+    proposer = run_proposer(target, draft, block_size, max_new_tokens, use_selector)
+    generator = generator or torch.Generator(device=target.lm_head_weight.device).manual_seed(0)
     results: list[Generation] = []
     for start in range(0, len(prompts_ids), sampling.batch_size):
         prompts = prompts_ids[start : start + sampling.batch_size]
@@ -462,10 +507,7 @@ def decode_batch(
         tokens.scatter_(1, lengths[:, None], bonus[:, None])
         features = proposer.pending(out.hidden, kept)
         rows = Rows(key_mask, torch.cat([rows.positions, block_positions], -1), lengths, bonus, features, tokens)
-        done = [
-            requests.commit(i, row[:a] + [t])
-            for i, (row, a, t) in enumerate(zip(proposals.tolist(), accepted.tolist(), bonus.tolist(), strict=True))
-        ]
+        done = [requests.commit(i, step) for i, step in enumerate(committed(proposals, accepted, bonus))]
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ import torch
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
+from dflash2.decoding import static as static_decode
 from dflash2.decoding.lookup import PromptLookup
 from dflash2.decoding.speculative import Generation, OnCommit, Sampling, speculative_generate, target_generate
 from dflash2.evaluation.copy_gap import copy_gap, replayable
@@ -77,9 +78,10 @@ def check_drafter(drafter: Any) -> None:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Everything about a run that can be refused without loading anything: the drafter, `repeats`, `block_size` and
-    prompt lookup's settings."""
+    """Everything about a run that can be refused without loading anything: the drafter, `repeats`, `block_size`,
+    `decode` / `compile` and prompt lookup's settings."""
     check_drafter(cfg.get("drafter"))
+    static_decode.decode_mode(cfg.get("decode", "plain"), cfg.get("compile", False))
     repeats = int(cfg.repeats)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
@@ -292,15 +294,18 @@ def decode(
     generator: torch.Generator,
     on_commit: OnCommit | None = None,
 ) -> list[Generation]:
-    """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None."""
+    """Speculative decoding (a drafter or prompt lookup proposes), or the target alone when `draft` is None; on the
+    fast path (dflash2/decoding/static.py) with decode=static."""
     sampling = Sampling(**{f.name: settings[f.name] for f in dataclasses.fields(Sampling)})
     length = settings["max_new_tokens"]
+    device = target.lm_head_weight.device
+    fast = static_decode.decode_mode(settings.get("decode", "plain"), settings.get("compile"), device)
+    alone = target_generate if fast is None else functools.partial(static_decode.target_generate, fast=fast)
     if draft is None:
-        return target_generate(target, prompt_ids, length, sampling, generator, on_commit)
+        return alone(target, prompt_ids, length, sampling, generator, on_commit)
+    spec = speculative_generate if fast is None else functools.partial(static_decode.speculative_generate, fast=fast)
     block_size, use_selector = settings["block_size"], settings["use_selector"]
-    return speculative_generate(
-        target, draft, prompt_ids, block_size, length, sampling, use_selector, generator, on_commit
-    )
+    return spec(target, draft, prompt_ids, block_size, length, sampling, use_selector, generator, on_commit)
 
 
 def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -> dict[str, Any]:
@@ -354,6 +359,8 @@ def decode_settings(cfg: DictConfig, target: Any) -> dict[str, Any]:
         top_p=float(cfg.top_p),
         stop_ids=stop_token_ids(target, list(cfg.stop_tokens)),
         batch_size=int(cfg.batch_size),
+        decode=cfg.get("decode", "plain"),
+        compile=cfg.get("compile", False),
     )
 
 

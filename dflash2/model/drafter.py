@@ -101,6 +101,50 @@ class DraftCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
 
+def take_slots_(buffer: torch.Tensor, index: torch.Tensor, dim: int) -> None:
+    """In place: slot j of each row (along `dim`) becomes its slot index[row, j], for j < index.shape[1]; the slots
+    after those are left as they were. buffer [b, ..., slots (at dim), ...], index [b, n] (any slot of the row)."""
+    shape = [1] * buffer.dim()
+    shape[0], shape[dim] = index.shape
+    sizes = list(buffer.shape)
+    sizes[dim] = index.shape[1]
+    gathered = buffer.gather(dim, index.view(shape).expand(sizes))  # a copy: the writes below cannot clobber a read
+    buffer.narrow(dim, 0, index.shape[1]).copy_(gathered)
+
+
+class StaticDraftCache(DraftCache):
+    """The drafter's context cache (`DraftCache`) in buffers of `capacity` slots per row and layer, allocated at the
+    first update. `keys[layer]` / `values[layer]` are views of the slots written so far, so a draft step attends over
+    the context it holds, with no copy of the cache: DraftCache concatenates the whole cache at every step."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        super().__init__(num_layers)
+        self.capacity = capacity
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buffers[layer] is None:
+            shape = (*k.shape[:2], self.capacity, k.shape[3])
+            self.buffers[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+        start = 0 if self.keys[layer] is None else self.keys[layer].shape[2]
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"the drafter's static cache holds {self.capacity} slots; {end} were asked for")
+        keys, values = self.buffers[layer]
+        keys[:, :, start:end], values[:, :, start:end] = k, v
+        self.keys[layer], self.values[layer] = keys[:, :, :end], values[:, :, :end]
+        return self.keys[layer], self.values[layer]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Make each row's slots `index[row]` ([b, n], in that order) its first n, and n the slots it holds."""
+        n = index.shape[1]
+        for layer, buffers in enumerate(self.buffers):
+            if buffers is not None:
+                for buffer in buffers:
+                    take_slots_(buffer, index, 2)
+                self.keys[layer], self.values[layer] = buffers[0][:, :, :n], buffers[1][:, :, :n]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DFlash2Config, layer: int) -> None:
         super().__init__()

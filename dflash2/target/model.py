@@ -20,6 +20,7 @@ from dflash2.target.attention import NAME as GROUPED_SDPA
 from dflash2.target.attention import use_grouped_sdpa
 from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, render_chat
 from dflash2.target.locate import target_source
+from dflash2.target.static_cache import TargetStaticCache
 
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
@@ -94,6 +95,8 @@ class TargetModel(nn.Module):
         self._stop_after: int | None = None
         self.compile_features = compile_features  # model.compile; see `compiled_layers`
         self._compiled_forwards: tuple[str, list[Any]] | None = None  # (mode, one compiled forward per layer)
+        self._static_caches: dict[tuple[int, int], TargetStaticCache] = {}  # the fast decode path's, by shape
+        self._decode_steps: dict[str, Any] = {}  # torch.compile mode -> the compiled `_decode_step`
         # transformers 5.2x renamed `past_key_values` to `cache` (older 5.x only knows the former).
         params = inspect.signature(model.base_model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -267,6 +270,54 @@ class TargetModel(nn.Module):
         finally:
             for layer in self.layers:
                 del layer.forward
+
+    # ------------------------------------------------------------------ the fast decode path (decode=static)
+    def static_cache(self, batch: int, capacity: int) -> TargetStaticCache:
+        """An empty `TargetStaticCache` of `capacity` slots for `batch` rows (allocated by the first forward into it).
+        The same one, emptied, for the same shape: its buffers keep their addresses, so the compiled steps replay the
+        CUDA graphs they recorded instead of recording new ones. The last two shapes are kept (the drafter's run and
+        the target alone alternate in evaluate.py, and their capacities may differ)."""
+        key = (batch, capacity)
+        cache = self._static_caches.pop(key, None)
+        if cache is None:
+            while len(self._static_caches) >= 2:  # the oldest goes before new buffers are allocated
+                self._static_caches.pop(next(iter(self._static_caches)))
+            cache = TargetStaticCache(self.config, capacity)
+        cache.reset()
+        self._static_caches[key] = cache  # the newest last
+        return cache
+
+    def decode_step(self, mode: str | None = None) -> Any:
+        """The forward of a decode step over a `static_cache`: `step(input_ids, attention_mask, position_ids, cache)`
+        -> TargetOutput (logits of every position, captured hidden states), eager or under torch.compile `mode`.
+
+        Compiled whole (`fullgraph`: a graph break would split the CUDA graph, so it fails loudly instead) with fixed
+        shapes (`dynamic=False`): a decode step's shapes are fixed by its batch's rows, the cache's capacity and the
+        block, and the cache's buffers (static addresses) would pin their sizes anyway; each new shape is a compile.
+        Under a CUDA-graph mode each call starts a new step of the graphs, so its outputs live until the next call."""
+
+        def step(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> TargetOutput:
+            if compiled is None:
+                logits, hidden = self._decode_step(ids, mask, positions, cache)
+            else:
+                if mode in CUDA_GRAPH_MODES:
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits, hidden = compiled(ids, mask, positions, cache)
+            cache.length += ids.shape[1]
+            return TargetOutput(logits=logits, hidden=hidden, past_key_values=cache)
+
+        compiled = None
+        if mode is not None:
+            if mode not in self._decode_steps:
+                self._decode_steps[mode] = torch.compile(self._decode_step, mode=mode, dynamic=False, fullgraph=True)
+            compiled = self._decode_steps[mode]
+        return step
+
+    def _decode_step(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.forward(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        return out.logits, out.hidden
 
     def train(self, mode: bool = True) -> TargetModel:
         # Lightning calls .train() on the whole module tree; the target must stay in eval (no dropout).
