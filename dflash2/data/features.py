@@ -140,9 +140,8 @@ def run(cfg: Any) -> dict[str, Any]:
     from omegaconf import open_dict
 
     from dflash2.target import resolve_device
-    from dflash2.training.run import adopt_warm_start, build_data, target_and_draft
+    from dflash2.training.run import build_data, target_and_draft
 
-    adopt_warm_start(cfg)
     with open_dict(cfg):
         cfg.data.features = None  # the rows themselves: the data module must not read a cache here
     target, draft = target_and_draft(cfg)
