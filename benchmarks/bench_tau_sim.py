@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.WARNING)
 
-    from dflash2.training.run import adopt_warm_start, build_module, target_and_draft
+    from dflash2.training.run import build_module, target_and_draft
 
     cfg = compose_preset(
         args.preset,
@@ -104,7 +104,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "module.compile=false",
         ],
     )
-    adopt_warm_start(cfg)
     target, draft = target_and_draft(cfg)  # on the CPU, as the model group loads it
     module = build_module(target, cfg, draft)
     rows = []

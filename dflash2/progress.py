@@ -46,26 +46,40 @@ QUIET_WARNINGS = (
 )
 # Lightning's informational lines that are not about the run: an advertisement, and a step of its own bookkeeping.
 QUIET_LIGHTNING_LINES = ("\N{ELECTRIC LIGHT BULB} Tip:", "Loading `train_dataloader` to estimate")
+# Off a terminal, also its device banner, which the run's first log line says in its own words ("trainer cpu"):
+# rank_zero_info's lines and, on a GPU, the CUDA accelerator's (its logger and the line's start).
+DEVICE_BANNER = {
+    "lightning.pytorch.utilities.rank_zero": ("GPU available:", "TPU available:", "HPU available:"),
+    "lightning.pytorch.accelerators.cuda": ("LOCAL_RANK:",),
+}
 
 
 class _DropLines(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(QUIET_LIGHTNING_LINES)
+        return not str(record.msg).startswith(self.starts)
 
 
-_DROP_LINES = _DropLines()
+_DROP_LINES = _DropLines(QUIET_LIGHTNING_LINES)
+_DROP_BANNER = {name: _DropLines(starts) for name, starts in DEVICE_BANNER.items()}
 
 
 def quiet_libraries() -> None:
     """Keep a run's output to its own lines: the library warnings of QUIET_WARNINGS and Lightning's
     QUIET_LIGHTNING_LINES are dropped; off a terminal, where each frame of a bar lands in the file as a line of its
     own, the Hugging Face libraries' progress bars (loading weights, mapping datasets, downloads) are off too, and
-    dflash2's own `Progress` logs there instead."""
+    dflash2's own `Progress` logs there instead, and Lightning's DEVICE_BANNER is dropped. (Off a terminal the
+    training also turns off Lightning's model summary table and W&B's non-essential lines: dflash2.training.run.)"""
     for message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DROP_LINES)  # a set: added once
     if interactive():
         return
+    for name, drop in _DROP_BANNER.items():
+        logging.getLogger(name).addFilter(drop)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported, later
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # Here, off a terminal only: transformers takes a second to import, which a run on a terminal need not spend now.

@@ -424,6 +424,24 @@ def test_manifest_round_trips_and_refuses_another_target(tmp_path, caplog):
     assert "dflash2_manifest" in caplog.text
 
 
+def test_the_shipped_drafters_manifest_is_the_embedded_targets_identity(caplog):
+    """artifacts/drafters/smollm2-dflash records the identity of the embedded SmolLM2 as training computes it (from
+    the target's config.json and tokenizer alone), every part of it: evaluate.py checks the pairing unwarned."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from dflash2.target.model import load_target_config, target_source
+
+    model = OmegaConf.load(REPO / "configs" / "model" / "smollm2.yaml")
+    path, kwargs = target_source(model.path, model.gguf_file)
+    identity = target_identity(model.name, load_target_config(model), AutoTokenizer.from_pretrained(path, **kwargs))
+    manifest = read_manifest(REPO / "artifacts" / "drafters" / "smollm2-dflash")
+    assert {key: manifest.get(key) for key in identity} == identity
+    with caplog.at_level(logging.WARNING, logger="dflash2.target.manifest"):
+        check_manifest(manifest, identity)
+    assert not caplog.records, caplog.text
+
+
 def test_the_identity_is_the_vocabulary_not_the_special_tokens_roles(caplog):
     config, tok = tiny_target()
     identity = target_identity("tiny/target", config, tok)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -82,11 +83,16 @@ class Batches(Callback):
         self.rows.append(batch["input_ids"].tolist())
 
 
-def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path):
-    """Killed in its 5th batch of an 8-batch epoch, after the step-2 and step-4 validations, a run resumed from
-    last.ckpt trains on batches 5 and 6 of the same order as an uninterrupted run, not on the epoch's start."""
+@pytest.mark.parametrize("saved_by", ["validation", "time"])
+def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path, saved_by):
+    """Killed in its 5th batch of an 8-batch epoch, a run resumed from last.ckpt trains on batches 5 and 6 of the same
+    order as an uninterrupted run, not on the epoch's start. last.ckpt was written by the step-4 validation, or with no
+    validation before the end, by the timed checkpoint (train_time_interval, here 0: after every step)."""
     common = ["data.batch_size=2", "trainer.max_epochs=5", "validate_first=false", "trainer.max_steps=6"]
-    common += ["trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
+    if saved_by == "validation":
+        common += ["trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
+    else:
+        common += ["callbacks.timed_checkpoint.train_time_interval.minutes=0"]
     whole, killed, resumed = Batches(), Batches(kill_at=5), Batches()
     train(config(chats, tmp_path / "whole", *common), callbacks=[whole])
     run = tmp_path / "killed"
@@ -94,9 +100,10 @@ def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path):
         train(config(chats, run, *common), callbacks=[killed])
     last = run / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 4
-    train(config(chats, run, *common, f"ckpt_path={last}"), callbacks=[resumed])
+    done = train(config(chats, run, *common, f"ckpt_path={last}"), callbacks=[resumed])
     assert len(whole.rows) == 6 and killed.rows == whole.rows[:4]
     assert resumed.rows == whole.rows[4:]
+    assert done["global_step"] == 6 and torch.load(last, weights_only=True)["global_step"] == 6
 
 
 def test_max_time_stops_a_run_at_its_budget_with_a_checkpoint(chats, tmp_path):
@@ -272,21 +279,39 @@ def test_wandb_offline_run_is_resumed_with_the_same_id(chats, tmp_path, monkeypa
     assert list((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
 
 
-def test_unavailable_target_fails_fast_in_one_sentence(tmp_path):
+def offline_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python train.py ...` with the Hugging Face Hub offline and an empty cache, its run folder tmp_path/run."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    command = [sys.executable, "train.py", *args, f"run_dir={tmp_path / 'run'}"]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_unavailable_target_fails_fast_in_one_sentence(tmp_path):
+    """`python train.py model=qwen3` offline, without Qwen3-8B in the cache: one sentence naming model.path, before
+    anything loads, no traceback and no run folder."""
     start = time.time()
-    done = subprocess.run(
-        [sys.executable, "train.py", "model=qwen3", "~experiment", f"run_dir={tmp_path / 'run'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = offline_cli(tmp_path, "model=qwen3")
     assert time.time() - start < 60
-    assert done.returncode != 0
-    assert "Traceback" not in done.stderr + done.stdout
-    assert "model.path=/local/dir" in done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and not done.stdout
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert "model.path=/local/dir" in done.stderr and "HF_HUB_OFFLINE=1" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_recipe_data_names_the_command_that_makes_it(tmp_path):
+    """With its target found (here the tiny one's folder, with SmolLM2's vocabulary hence its mask token, and its 4
+    layers), the Qwen3 experiment's missing data fails in one sentence naming the recipe command that writes exactly
+    its files."""
+    fits_tiny = ["model.mask_token_id=3", "draft.target_layer_ids=[1,2]"]
+    done = offline_cli(tmp_path, "model=qwen3", f"model.path={tiny_target_path()}", *fits_tiny)
+    assert done.returncode != 0 and not done.stdout
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    command = (
+        f"`python -m dflash2.data.recipe model=qwen3 model.path={tiny_target_path()} "
+        "output=data/regenerated/qwen3.jsonl extra_output=data/regenerated/qwen3_recipe.jsonl`"
+    )
+    assert done.stderr.startswith("data.path='data/regenerated/qwen3.jsonl' does not exist") and command in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -318,40 +343,73 @@ def select(cfg: dict, key: str):
     return cfg
 
 
-def test_the_quickstart_is_an_explicit_experiment_and_the_model_alone_shrinks_nothing():
-    """`python train.py` is experiment=quickstart, every size of configs/quickstart/smollm2.yaml; `model=smollm2`
-    without that experiment keeps the groups' own sizes (the quickstart's are no hidden per-model default), and an
-    experiment replaces the quickstart."""
+def compose_train(*overrides: str):
+    """train.py's config for a command line, with Hydra's node (its choices)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+def task(cfg) -> dict:
+    """The config a run gets, without Hydra's own node."""
+    from omegaconf import OmegaConf
+
+    return {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
+
+
+def test_each_model_trains_with_its_own_experiment():
+    """`python train.py` is model=smollm2's experiment, the quickstart: every size of configs/quickstart/smollm2.yaml;
+    `model=qwen3` is Qwen3-8B's recipe (data=jsonl's keys, its regenerated data, 5 draft layers), as `experiment=qwen3`
+    alone is; `~experiment` keeps the groups' own sizes, and another experiment replaces the model's."""
     import yaml
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     sizes = dict(leaves(yaml.safe_load((ROOT / "configs" / "quickstart" / "smollm2.yaml").read_text())))
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        default = compose("train", return_hydra_config=True)
-        plain = OmegaConf.to_container(compose("train", overrides=["model=smollm2", "~experiment"]))
-        choices = default.hydra.runtime.choices
-        groups = {g: OmegaConf.to_container(compose(f"{g}/{choices[g]}")) for g in ("draft", "data")}
-        recipe = compose("train", overrides=["experiment=gpu_smollm2"])
-    assert default.hydra.runtime.choices["experiment"] == "quickstart" and default.model.name == "smollm2"
-    quickstart = OmegaConf.to_container(default)
+    default = compose_train()
+    assert default.hydra.runtime.choices["experiment"] == "smollm2" and default.model.name == "smollm2"
+    quickstart = task(default)
     for key, value in sizes.items():
         assert select(quickstart, key) == value, key
+    assert task(compose_train("model=smollm2")) == quickstart
+
+    plain = task(compose_train("model=smollm2", "~experiment"))
+    choices = default.hydra.runtime.choices
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        groups = {g: OmegaConf.to_container(compose(f"{g}/{choices[g]}")) for g in ("draft", "data")}
     for key in (k for k in sizes if k.split(".")[0] in groups):
         group = key.split(".")[0]  # a group's config composes under its package: {"draft": {...}}
         assert select(plain, key) == select(groups[group], key), f"{key} is not the {group} group's own"
     assert plain["draft"]["block_size"] != sizes["draft.block_size"] and plain["task_name"] == "train"
-    assert recipe.draft.block_size == 16 and recipe.task_name == "gpu_smollm2"
+
+    recipe = yaml.safe_load((ROOT / "configs" / "experiment" / "qwen3.yaml").read_text())
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        jsonl = OmegaConf.to_container(compose("data/jsonl"))["data"]
+    for typed in (["model=qwen3"], ["experiment=qwen3"]):
+        qwen3 = compose_train(*typed)
+        assert qwen3.hydra.runtime.choices["experiment"] == "qwen3", typed
+        assert qwen3.model.name == "qwen3" and qwen3.task_name == "qwen3", typed
+        assert OmegaConf.to_container(qwen3.draft) | recipe["draft"] == OmegaConf.to_container(qwen3.draft), typed
+        assert OmegaConf.to_container(qwen3.data) == jsonl | recipe["data"], typed
+    assert compose_train("model=qwen3", "~experiment").draft.num_hidden_layers == plain["draft"]["num_hidden_layers"]
+    gpu = compose_train("experiment=gpu_smollm2")
+    assert gpu.draft.block_size == 16 and gpu.task_name == "gpu_smollm2" and gpu.model.name == "smollm2"
+    # The GPU recipe trains the model group's target: a study rehearses it on the tiny one.
+    rehearsal = compose_train("experiment=gpu_smollm2", "model=tiny")
+    assert rehearsal.model.name == "tiny" and rehearsal.model.gguf_file is None and rehearsal.draft.block_size == 16
 
 
-@pytest.mark.parametrize("model", ["qwen3", "tiny"])
-def test_the_quickstart_is_refused_with_another_target(tmp_path, model):
-    """The default experiment's sizes are SmolLM2's: `python train.py model=qwen3` fails in one sentence naming the
-    choice and the fix, before anything loads and without a run folder."""
-    done = train_cli(f"model={model}", f"run_dir={tmp_path / 'run'}")
+@pytest.mark.parametrize("model, experiment", [("tiny", "quickstart"), ("tiny", "qwen3"), ("qwen3", "smollm2")])
+def test_a_model_typed_beside_another_targets_experiment_is_refused(tmp_path, model, experiment):
+    """A model-named experiment brings its target's config: `model=X experiment=Y` for another target's Y would train
+    Y's target, so it fails in one sentence naming both and the fixes, before anything loads and without a run
+    folder."""
+    done = train_cli(f"model={model}", f"experiment={experiment}", f"run_dir={tmp_path / 'run'}")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert f"model={model} runs under experiment=quickstart" in last and "~experiment" in last
+    assert f"model={model} is typed beside experiment={experiment}, which trains model=" in last
+    assert "~experiment" in last
     assert not (tmp_path / "run").exists()
 
 
@@ -379,11 +437,12 @@ def train_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def cli_run(chats, tmp_path_factory):
     """A 4-step run validating at steps 2 and 4, its output to a file (stderr in train.err) with Lightning's progress
-    bar on as configured by default. With the learning rate at 0 the best checkpoint stays the step-2 one, a point to
-    resume from."""
+    bar, its model summary and W&B on as configured by default. With the learning rate at 0 the best checkpoint stays
+    the step-2 one, a point to resume from."""
     run = tmp_path_factory.mktemp("cli") / "run"
     lines = ["trainer.max_steps=4", "trainer.max_epochs=5", "trainer.val_check_interval=2", "optim.lr=0"]
     lines += ["trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=true"]
+    lines += ["trainer.enable_model_summary=true", "logger=wandb"]  # as configured by default
     out = run.parent / "train.out"
     with out.open("w") as f:
         done = train_cli(*tiny_overrides(chats, run, *lines), stdout=f)
@@ -392,13 +451,19 @@ def cli_run(chats, tmp_path_factory):
     return run, out.read_text()
 
 
+# What a run's output to a file must not hold: bar frames and terminal codes, Lightning's model summary table and
+# device banner, library deprecation warnings (W&B's `anonymous`), an advertisement, W&B's history sparklines.
+NOT_LOG_LINES = ("\r", "\x1b", "\N{BOX DRAWINGS HEAVY HORIZONTAL}", "it/s]", "Trainable params", "GPU available",
+                 "TPU available", "Warning", "WARNING", "deprecated", "anonymous", "Tip:", "Loading weights",
+                 "Rendering chats", "flops_per_batch", "Run history", "\N{LOWER ONE EIGHTH BLOCK}")  # fmt: skip
+
+
 def test_output_to_a_file_keeps_to_the_runs_lines(cli_run):
-    """Off a terminal (nohup, `> file`) the output holds log lines only: no progress-bar frames (Lightning's bar, the
-    Hugging Face libraries' bars), no library deprecation warnings, no advertisement."""
+    """Off a terminal (nohup, `> file`) the output holds log lines only (NOT_LOG_LINES): each library's noise is off
+    by its own switch (Lightning's enable_model_summary and rank_zero logger, W&B's quiet setting, warnings filters)."""
     run, stdout = cli_run
     output = stdout + (run.parent / "train.err").read_text()
-    assert "\r" not in output and "\N{BOX DRAWINGS HEAVY HORIZONTAL}" not in output and "it/s]" not in output
-    for noise in ("Warning", "deprecated", "Tip:", "Loading weights", "Rendering chats", "flops_per_batch"):
+    for noise in NOT_LOG_LINES:
         assert noise not in output, (noise, output)
     assert "validation at step 4: tau_sim " in output and "train: 4/4 steps" in output  # dflash2's own lines
 
@@ -406,24 +471,24 @@ def test_output_to_a_file_keeps_to_the_runs_lines(cli_run):
 def test_the_first_log_line_says_what_the_run_trains(cli_run):
     run, _ = cli_run
     first = (run / "train.log").read_text().splitlines()[0]
-    assert f"no experiment (task train): target tiny ({tiny_target_path()}), " in first, first
+    assert first.split(" - ", 1)[1].startswith(f"experiment=tiny: target tiny ({tiny_target_path()}), "), first
     for part in ("DFlash2 drafter of 1 draft layer over target layers [1, 2]", "block size 4",
                  "batch 4 chats of max_length 128", "4 steps (at most 5 epochs)", "trainer cpu"):  # fmt: skip
         assert part in first, (part, first)
 
 
 def test_the_quickstarts_line_names_it_and_its_sizes():
-    """What `python train.py` logs first: the experiment and every size that makes it the quickstart."""
-    from hydra import compose, initialize_config_dir
-
+    """What `python train.py` logs first: the experiment (model=smollm2's, which runs the quickstart) and every size
+    that makes it the quickstart."""
+    from dflash2.training.drafter import resolve_drafter
     from dflash2.training.run import describe_run
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=["trainer=cpu"])
+    cfg = compose_train("trainer=cpu")
     d = cfg.draft
-    line = describe_run(cfg, "quickstart")
+    line = describe_run(cfg, cfg.hydra.runtime.choices.experiment, resolve_drafter(cfg))
     assert line == (
-        f"experiment=quickstart: target smollm2 (the embedded GGUF), DFlash2 drafter of {d.num_hidden_layers} draft "
+        "experiment=smollm2, task quickstart: target smollm2 (the embedded GGUF), DFlash2 drafter of "
+        f"{d.num_hidden_layers} draft "
         f"layer over target layers {list(d.target_layer_ids)}, block size {d.block_size}, batch {cfg.data.batch_size} "
         f"chats of max_length {cfg.data.max_length}, data sharegpt (first {cfg.data.limit}), "
         f"{cfg.trainer.max_epochs} epoch, trainer cpu"
@@ -459,6 +524,57 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
     assert cfg.trainer.max_steps == 4 and cfg.trainer.log_every_n_steps == 3 and cfg.model.name == "tiny"
     done = train_cli(*resume, "model=smollm2")
     assert done.returncode != 0 and "model=smollm2" in done.stderr.strip().splitlines()[-1]
+
+
+def test_a_killed_run_resumes_from_its_timed_checkpoint(chats, tmp_path):
+    """A run whose output goes to files, killed (SIGTERM) between validations once its timed checkpoint exists,
+    resumes with the README's command, `python train.py ckpt_path=<run>/checkpoints/last.ckpt`, from that step, and
+    finishes in the same folder. The killed run's output holds log lines only (W&B's run is closed as failed, not
+    left to W&B's exit hook, which prints terminal codes)."""
+    run, out = tmp_path / "run", tmp_path / "train.out"
+    timed = "callbacks.timed_checkpoint.train_time_interval.minutes=0"  # last.ckpt after every step
+    last = run / "checkpoints" / "last.ckpt"
+    lines = tiny_overrides(chats, run, "trainer.max_steps=100000", "trainer.max_epochs=-1", "logger=wandb", timed)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with out.open("w") as stdout, (tmp_path / "train.err").open("w") as stderr:
+        killed = subprocess.Popen([sys.executable, "train.py", *lines], cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+        try:
+            while not last.is_file() and killed.poll() is None:  # the first step's checkpoint: fit is running
+                time.sleep(0.5)
+            killed.send_signal(signal.SIGTERM)
+            killed.wait(timeout=300)
+        finally:
+            killed.kill()
+    output = out.read_text() + (tmp_path / "train.err").read_text()
+    for noise in NOT_LOG_LINES:
+        assert noise not in output, (noise, output)
+    step = torch.load(last, weights_only=True)["global_step"]
+    assert 0 < step < 100000 and "Traceback" not in output
+
+    done = train_cli(f"ckpt_path={last}", f"trainer.max_steps={step + 2}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.load(last, weights_only=True)["global_step"] == step + 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.err", "train.out"]
+    assert f"resuming {last} (experiment=tiny)" in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("checkpoint", ["missing", "truncated", "not_a_training_state"])
+def test_a_resume_that_cannot_start_writes_and_logs_nothing(tmp_path, checkpoint):
+    """A resume whose checkpoint is missing, unreadable or not a training checkpoint fails in one sentence naming
+    ckpt_path, before the run's record, data, W&B run or log are touched: the run folder is left as it was."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    if checkpoint == "truncated":
+        torch.save({"state_dict": {"draft.w": torch.zeros(1000)}, "loops": {}}, ckpt)
+        ckpt.write_bytes(ckpt.read_bytes()[:2000])
+    elif checkpoint == "not_a_training_state":
+        torch.save({"draft.w": torch.zeros(3)}, ckpt)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    done = train_cli(f"ckpt_path={ckpt}", "logger=wandb")
+    assert done.returncode != 0 and not done.stdout
+    assert done.stderr.strip().count("\n") == 0 and "ckpt_path" in done.stderr, done.stderr
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 
 @pytest.mark.parametrize(

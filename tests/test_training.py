@@ -449,7 +449,6 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
     """A plain DFlash export warm-starts DFlash2: its backbone and target layers are adopted, the conv and
     selector start inert, and with the backbone frozen only they train."""
     from dflash2.model.drafter import DFlash2DraftModel
-    from dflash2.training.run import adopt_warm_start
 
     target = parts[1]
     layer_ids = sorted(random.sample(range(target.num_layers), 2))
@@ -461,9 +460,9 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
     saved.save_pretrained(tmp_path / "dflash")
 
     warm = config(chats, tmp_path, f"module.init_from={tmp_path / 'dflash'}", "module.train_backbone=false")
-    adopt_warm_start(warm)
-    assert list(warm.draft.target_layer_ids) == layer_ids
+    assert drafter.resolve_drafter(warm).target_layer_ids == layer_ids
     target, draft = target_and_draft(warm)  # it captures the warm start's layers
+    assert draft.target_layer_ids == target.target_layer_ids == layer_ids
     module = DFlash2Module(target, draft, init_from=warm.module.init_from, train_backbone=False)
     assert module.hparams.draft_config["architectures"] == ["DFlash2DraftModel"]
     state = module.draft.state_dict()

@@ -18,9 +18,7 @@ def tiny_overrides(chats: Path, run_dir: Path, *overrides: str) -> list[str]:
     if not any(o.startswith("draft=") for o in overrides):
         overrides = ("draft.selector_rank=8", "draft.selector_top_k=4", *overrides)
     return [
-        "~experiment",  # not train.py's default, the SmolLM2 quickstart
-        "+quickstart=tiny",  # the tiny target's test sizes (configs/quickstart/tiny.yaml)
-        "model=tiny",
+        "model=tiny",  # with its experiment, the test sizes of configs/quickstart/tiny.yaml
         f"model.path={tiny_target_path()}",
         "data=jsonl",
         f"data.path={chats}",

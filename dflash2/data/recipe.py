@@ -1,7 +1,7 @@
 """The recipe's training data for a target in one command (contract section 7): chats and extra prompts, answered.
 
     python -m dflash2.data.recipe model=qwen3 model.path=/local/Qwen3-8B
-    python train.py experiment=qwen3 model.path=/local/Qwen3-8B
+    python train.py model=qwen3 model.path=/local/Qwen3-8B
 
 The three steps `python -m dflash2.data.regenerate` (ShareGPT), `python -m dflash2.data.sources` and
 `python -m dflash2.data.regenerate input=<prompts>` take one after another, with the target loaded once:
@@ -9,7 +9,7 @@ The three steps `python -m dflash2.data.regenerate` (ShareGPT), `python -m dflas
    the same bytes, so a rerun rewrites them unchanged;
 2. the target answers `input` (null = the packaged ShareGPT, less the `sharegpt` bench's records) into `output`;
 3. it answers the prompts into `extra_output`.
-`output` and `extra_output` default to what `experiment=<model>` trains on (data.path, data.extra_paths). Every
+`output` and `extra_output` default to what `model=<model>`'s experiment trains on (data.path, data.extra_paths). Every
 setting is checked before the target loads; both regenerations resume from what their outputs hold.
 """
 

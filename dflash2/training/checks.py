@@ -1,5 +1,6 @@
-"""What `python train.py` checks before anything loads: a setting left unset, the data files, the drafter's fields
-(built as training builds them, dflash2.training.drafter), the objective and optimizer settings.
+"""What `python train.py` checks before anything loads: a setting left unset, the target, the data files, the
+drafter's fields (resolved as training uses them, dflash2.training.drafter), the objective and optimizer settings,
+and for a resume its checkpoint.
 
 `PrepareRun` runs the checks before Hydra makes the run folder, so a bad setting costs a second and leaves nothing
 behind. Every message names the setting as it is typed on the command line (`draft.conv_group_size`).
@@ -12,13 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash2.groups import BAD_INPUT, build
+from dflash2.model.config import DFlash2Config
 from dflash2.progress import quiet_libraries
-from dflash2.training.drafter import draft_config, target_config_fields, warm_start_fields
+from dflash2.training.drafter import resolve_drafter
 from dflash2.training.resume import restore_run_config
 
 log = logging.getLogger(__name__)
@@ -64,9 +67,10 @@ def check_fsdp_device(trainer: Mapping[str, Any]) -> None:
         )
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Fail in one sentence on a setting left unset, a data file that is not there or a drafter field that does not
-    fit the target, reading only the target's config.json: seconds before its weights would have loaded."""
+def check_config(cfg: DictConfig) -> DFlash2Config:
+    """Fail in one sentence on a setting left unset, a target or data file that is not there or a drafter field that
+    does not fit the target, reading only the target's config.json: seconds before its weights would have loaded.
+    Returns the drafter's DFlash2Config, resolved once (dflash2.training.drafter.resolve_drafter)."""
     # The target's and the data's modules import transformers and datasets (seconds): here, not when Hydra loads the
     # PrepareRun callback of this module.
     from dflash2.target.model import compile_mode
@@ -74,15 +78,22 @@ def check_config(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ValueError("set " + ", ".join(f"{key}=..." for key in missing) + ": it has no default")
+    if cfg.get("ckpt_path"):
+        check_resume(cfg.ckpt_path)
+    # The target first: its data is made by the target (the recipe command a missing file's message names).
+    draft = resolve_drafter(cfg)
     path = cfg.data.get("path")
     if path and not Path(path).expanduser().is_file():
-        raise FileNotFoundError(f"data.path={path!r} does not exist; pass a JSON/JSONL file of chats")
+        raise FileNotFoundError(
+            f"data.path={path!r} does not exist: `{recipe_command(cfg)}` makes it (the target's replies to ShareGPT "
+            "and to the recipe's prompts), or pass data.path=FILE, a JSON/JSONL file of chats"
+        )
     for extra in cfg.data.get("extra_paths") or ():
         if not Path(extra).expanduser().is_file():
             raise FileNotFoundError(
-                f"data.extra_paths: {extra!r} does not exist; list JSON/JSONL files of chats, or data.extra_paths=[] "
-                "for data.path alone. `python -m dflash2.data.recipe model=<this run's> extra_output="
-                f"{extra}` makes the recipe's math and code replies (and ShareGPT's into its output=)"
+                f"data.extra_paths: {extra!r} does not exist: `{recipe_command(cfg, extra)}` makes it (the target's "
+                "replies to the recipe's prompts), or list other JSON/JSONL files of chats, or data.extra_paths=[] "
+                "for data.path alone"
             )
     check_module_knobs(cfg.module, cfg.trainer.get("strategy"))
     check_fsdp_device(cfg.trainer)
@@ -94,14 +105,50 @@ def check_config(cfg: DictConfig) -> None:
 
     check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
     check_drop_last(cfg.data.get("drop_last", False))
-    planned = draft_config(OmegaConf.merge(cfg.draft, warm_start_fields(cfg.module)), target_config_fields(cfg.model))
-    objective.slot_scale(planned.block_size)  # the late slots' start must fit the block
+    objective.slot_scale(draft.block_size)  # the late slots' start must fit the block
     copy = cfg.data.get("copy_anchor_weight", 1.0), cfg.data.get("copy_anchor_min_match", 1)
-    check_copy_anchors(*copy, planned.block_size)
+    check_copy_anchors(*copy, draft.block_size)
     if cfg.data.get("features"):  # a cache of another target, layers, template or data is refused before it loads
         from dflash2.data.feature_store import check_cache
 
-        check_cache(cfg, list(planned.target_layer_ids))
+        check_cache(cfg, list(draft.target_layer_ids))
+    return draft
+
+
+def recipe_command(cfg: DictConfig, extra: str | None = None) -> str:
+    """The command that writes a run's training data (dflash2/data/recipe.py): this target's replies to ShareGPT into
+    data.path and its replies to the recipe's prompts into data.extra_paths' file; given `extra`, the command for that
+    file, which leaves data.path (an existing file) alone."""
+    extras = list(cfg.data.get("extra_paths") or ())
+    command = f"python -m dflash2.data.recipe model={cfg.model.name}"
+    if cfg.model.get("path"):
+        command += f" model.path={cfg.model.path}"
+    if extra is None:
+        command += f" output={cfg.data.path}"
+        extra = extras[0] if len(extras) == 1 else None
+    return command + (f" extra_output={extra}" if extra else "")
+
+
+def check_resume(ckpt_path: str) -> None:
+    """A resume's checkpoint is a readable training checkpoint: checked before the run's settings, data, logger or
+    record are touched. Reading it maps the tensors without reading them (training.checkpoint.load_checkpoint)."""
+    from dflash2.training.checkpoint import LAST, load_checkpoint
+
+    path = Path(ckpt_path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"ckpt_path={ckpt_path} is a folder: resume from its run's checkpoints/{LAST}")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"ckpt_path={ckpt_path} does not exist: resume from a run's <run dir>/checkpoints/{LAST}, or drop "
+            "ckpt_path to start a new run"
+        )
+    ckpt = load_checkpoint(path)  # a truncated or foreign file: one sentence that names it and ckpt_path
+    missing = [k for k in ("state_dict", "loops", "optimizer_states") if k not in ckpt]
+    if missing:
+        raise ValueError(
+            f"ckpt_path={ckpt_path} holds no training state ({', '.join(missing)} missing): resume from a training "
+            f"run's checkpoints/{LAST}; to start from an exported drafter, pass module.init_from=<its folder> instead"
+        )
 
 
 def check_data(cfg: DictConfig) -> None:
@@ -127,18 +174,17 @@ def check_data(cfg: DictConfig) -> None:
         logging.disable(quiet)
 
 
-QUICKSTART_MODEL = "smollm2"  # the target configs/experiment/quickstart.yaml is sized for
-
-
-def check_experiment(choices: Mapping[str, Any]) -> None:
-    """Refuse the default experiment, the CPU quickstart, with a target it was not sized for: its layers and sizes
-    would silently apply to another model (`python train.py model=qwen3` would train a 1-layer toy on Qwen3-8B)."""
-    model = choices.get("model")
-    if choices.get("experiment") == "quickstart" and model != QUICKSTART_MODEL:
+def check_experiment(choices: Mapping[str, Any], typed: list[str], model: str) -> None:
+    """An experiment is sized for its target, whose config it includes (configs/experiment/): refuse a `model=` typed
+    beside an experiment of another target, whose layers and sizes would silently apply to it. `choices`: Hydra's
+    group choices; `typed`: the command line's overrides; `model`: the composed model.name."""
+    experiment, chosen = choices.get("experiment"), choices.get("model")
+    groups = {o.key_or_group for o in OverridesParser.create().parse_overrides(typed)}
+    if experiment and "model" in groups and chosen != model:
         raise ValueError(
-            f"model={model} runs under experiment=quickstart (train.py's default), whose sizes are for "
-            f"model={QUICKSTART_MODEL}: pass that model's experiment (e.g. experiment=qwen3) or ~experiment to train "
-            "with the groups' own defaults"
+            f"model={chosen} is typed beside experiment={experiment}, which trains model={model}: drop "
+            f"experiment={experiment} (model={chosen} picks its own experiment; ~experiment trains with the groups' "
+            f"defaults) or drop model={chosen}"
         )
 
 
@@ -150,9 +196,10 @@ class PrepareRun(Callback):
         quiet_libraries()  # first: the checks below may dequantize a GGUF target, with the libraries' bars
         try:
             if config.get("ckpt_path"):
+                check_resume(config.ckpt_path)  # before the run's record is read or a line is logged
                 restore_run_config(config)  # the run's own groups, checked when it started
             else:
-                check_experiment(config.hydra.runtime.choices)
+                check_experiment(config.hydra.runtime.choices, list(config.hydra.overrides.task), config.model.name)
             task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
             check_config(task)
             check_data(task)

@@ -13,12 +13,11 @@ from omegaconf import open_dict
 from dflash2.data.feature_store import binding, bytes_per_token
 from dflash2.data.features import write_features
 from dflash2.target.model import resolve_device
-from dflash2.training.run import adopt_warm_start, build_data, target_and_draft
+from dflash2.training.run import build_data, target_and_draft
 
 
 def run(cfg: Any) -> dict[str, Any]:
     """The CLI on a composed `configs/features.yaml`: the run's target, layers and rows, written to `output`."""
-    adopt_warm_start(cfg)
     with open_dict(cfg):
         cfg.data.features = None  # the rows themselves: the data module must not read a cache here
     target, draft = target_and_draft(cfg)

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # Parameters DFlash2 adds on top of a DFlash backbone: what `module.train_backbone=false` still trains.
 HEAD_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")
 # Structural fields a warm start takes from the draft config, not from the loaded folder: every dflash_config
-# field but the target layers, which the folder's weights were trained on (adopt_warm_start makes the model use them).
+# field but the target layers, which the folder's weights were trained on (resolve_drafter gives the config them).
 WARM_START_FIELDS = tuple(f for f in DFLASH_FIELDS if f != "target_layer_ids")
 
 

@@ -18,8 +18,10 @@ from weakref import proxy
 
 import lightning as L
 import torch
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -30,12 +32,14 @@ from dflash2.target.locate import serve_model
 from dflash2.target.manifest import target_identity
 from dflash2.training.checkpoint import run_dir_of
 from dflash2.training.checks import check_config
-from dflash2.training.drafter import draft_config, target_config_fields, target_fields, warm_start_fields
+from dflash2.training.drafter import check_target, resolve_drafter, warm_start_replaced
 from dflash2.training.resume import RECORD, hydra_subdir
 
 log = logging.getLogger(__name__)
 
 WANDB_ID_FILE = "wandb_id.txt"
+DEFAULT_TASK = "train"  # task_name when no experiment names the run (configs/train.yaml)
+QUICKSTART_TASK = "quickstart"  # the CPU quickstart's task_name (configs/quickstart/smollm2.yaml)
 
 
 def _run_dir(ckpt_path: str | None, default: str) -> str:
@@ -121,9 +125,10 @@ class LastCheckpoint(ModelCheckpoint):
                 logger.after_save_checkpoint(proxy(self))
 
     def _saved_this_step(self, trainer: Any) -> str | None:
-        """The file another checkpoint callback wrote at this very step (same trainer state), if any."""
+        """The file the best checkpoint's callback wrote at this very step (same trainer state), if any. Not a timed
+        save's (timed_checkpoint): that one is written after the step, before the step's validation."""
         for callback in trainer.checkpoint_callbacks:
-            if callback is self or callback._last_global_step_saved != trainer.global_step:
+            if callback is self or callback.monitor is None or callback._last_global_step_saved != trainer.global_step:
                 continue
             if callback._last_checkpoint_saved and not callback.save_weights_only and not self.save_weights_only:
                 return callback._last_checkpoint_saved
@@ -149,34 +154,29 @@ class LastCheckpoint(ModelCheckpoint):
         return bool(trainer.strategy.broadcast(linked))
 
 
-def adopt_warm_start(cfg: DictConfig) -> None:
-    """A warm start fixes the drafter's depth and the target layers it reads: the draft group takes them."""
-    with open_dict(cfg):
-        for key, value in warm_start_fields(cfg.module).items():
-            current = cfg.draft.get(key)
-            if OmegaConf.is_config(current):
-                current = OmegaConf.to_object(current)
-            if current is not None and current != value:
-                log.warning("draft.%s=%s replaced by %s from module.init_from", key, cfg.draft[key], value)
-            cfg.draft[key] = value
+def load_target(cfg: DictConfig, draft: DFlash2Config) -> Any:
+    """The target of the `model` group, capturing the layers `draft` reads, checked to be the target `draft` was
+    resolved for (dflash2.training.drafter.check_target)."""
+    # With data.features the cache replaces the target's layers: only its embedding, norm and head are loaded.
+    layers = not cfg.data.get("features")
+    target = build(cfg.model, target_layer_ids=list(draft.target_layer_ids), layers=layers)
+    check_target(draft, cfg.draft, target)
+    return target
 
 
 def target_and_draft(cfg: DictConfig) -> tuple[Any, DFlash2Config]:
-    """The target of the `model` group, capturing the layers the drafter reads, and the `draft` group's config for
-    it. The layers come from a first draft config built on the target's config.json alone (its default layer ids
-    depend on the target's depth); the config returned is built on the loaded target, whose modules' sizes win."""
-    planned = draft_config(cfg.draft, target_config_fields(cfg.model))
-    # With data.features the cache replaces the target's layers: only its embedding, norm and head are loaded.
-    layers = not cfg.data.get("features")
-    target = build(cfg.model, target_layer_ids=list(planned.target_layer_ids), layers=layers)
-    return target, draft_config(cfg.draft, target_fields(target))
+    """The run's drafter config (`resolve_drafter`) and its target, loaded for it: what the data and feature commands
+    and the benchmarks build as training does."""
+    draft = resolve_drafter(cfg)
+    return load_target(cfg, draft), draft
 
 
 def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
     if not cfg.get("logger") or not cfg.logger.get("_target_"):
         return False
     kwargs: dict[str, Any] = {}
-    if cfg.logger._target_.endswith("WandbLogger"):
+    wandb = cfg.logger._target_.endswith("WandbLogger")
+    if wandb:
         # W&B offline unless the user chose a mode; one run id per run dir, so a resume continues the run.
         os.environ.setdefault("WANDB_MODE", "offline")
         id_file = run_dir / WANDB_ID_FILE
@@ -185,7 +185,25 @@ def build_logger(cfg: DictConfig, run_dir: Path) -> Any:
                 id_file.parent.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(uuid.uuid4().hex[:8])
             kwargs["id"] = id_file.read_text().strip()
-    return build(cfg.logger, **kwargs)
+        if not interactive() and not cfg.logger.get("settings"):
+            import wandb as wandb_sdk
+
+            # W&B's own switch for its non-essential lines (its version, the history as sparklines at the end): off a
+            # terminal they are not log lines; the run's W&B files keep everything.
+            kwargs["settings"] = wandb_sdk.Settings(quiet=True)
+    logger = build(cfg.logger, **kwargs)
+    if wandb:
+        # Lightning's WandbLogger (2.6) passes wandb.init `anonymous` whatever the config says, an argument W&B has
+        # deprecated and warns about on every run: dropped, as by a logger that never sets it.
+        getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+    return logger
+
+
+def finish_wandb(logger: Any, exit_code: int = 0) -> None:
+    """Close the W&B run (a later train() then starts its own), also when the run fails: W&B's own exit hook would
+    otherwise print its closing lines to stdout with terminal colours, into the output file of a run off a terminal."""
+    if isinstance(logger, WandbLogger):
+        logger.experiment.finish(exit_code=exit_code)
 
 
 def build_data(cfg: DictConfig, target: Any, draft: DFlash2Config) -> Any:
@@ -210,15 +228,19 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
 
     `callbacks` are added to the configured ones (tests use this to look inside a run)."""
     started = time.time()
-    check_config(cfg)  # under train.py, PrepareRun did so before the run folder existed; a caller of train() did not
+    # Under train.py PrepareRun checked the config before the run folder existed; a caller of train() did not. The
+    # drafter's config is resolved here, once, and every part below takes it.
+    draft = check_config(cfg)
     quiet_libraries()
     if rank_zero_only.rank == 0:  # the first line of train.log: what this run trains, before anything loads
         experiment = experiment_choice(cfg)
-        log.info("%s", describe_run(cfg, experiment))
-        if experiment == "quickstart" and accelerator(cfg) in ("gpu", "cuda"):
+        log.info("%s", describe_run(cfg, experiment, draft))
+        for key, (setting, used) in warm_start_replaced(cfg.draft, draft).items():
+            log.warning("draft.%s=%s replaced by %s from module.init_from", key, setting, used)
+        if cfg.task_name == QUICKSTART_TASK and accelerator(cfg) in ("gpu", "cuda"):
             log.warning(
-                "experiment=quickstart trains the CPU quickstart's small drafter on a GPU: experiment=gpu_smollm2 is "
-                "the published recipe for this target"
+                "the CPU quickstart (model=smollm2's experiment) trains its small drafter on a GPU here: "
+                "experiment=gpu_smollm2 is the published recipe for this target"
             )
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
@@ -228,9 +250,8 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
         with open_dict(cfg):
             cfg.run_dir = HydraConfig.get().runtime.output_dir
     run_dir = Path(cfg.run_dir).absolute()
-    adopt_warm_start(cfg)
 
-    target, draft = target_and_draft(cfg)
+    target = load_target(cfg, draft)
     datamodule = build_data(cfg, target, draft)
     # Read, tokenized and split here, before the logger and its W&B run exist: bad data leaves no run to sync.
     datamodule.prepare_data()
@@ -250,24 +271,30 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
     if not logger:  # a learning-rate monitor without a logger is an error in Lightning
         configured = [c for c in configured if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
     # Lightning's bar off a terminal would end up in the output file as frames; log_progress logs the steps there.
+    # Its model summary is a table drawn for a terminal: off one, the first log line says what the drafter is.
     bar = bool(cfg.trainer.get("enable_progress_bar", True)) and interactive()
+    table = bool(cfg.trainer.get("enable_model_summary", True)) and interactive()
     trainer = build(
         cfg.trainer,
         logger=logger,
         callbacks=configured + list(callbacks or []),
         default_root_dir=str(run_dir),
         enable_progress_bar=bar,
+        enable_model_summary=table,
     )
     if trainer.logger and cfg.logger.get("_target_", "").endswith("WandbLogger") and trainer.is_global_zero:
-        trainer.logger.experiment.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
+        trainer.logger.experiment.config.update(run_config(cfg, draft), allow_val_change=True)
 
     start: dict[str, float] = {}
-    if cfg.ckpt_path is None and cfg.get("validate_first", True):
-        start = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        if cfg.ckpt_path is None and cfg.get("validate_first", True):
+            start = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except BaseException:  # an error, Ctrl-C or SIGTERM (Lightning raises on it): the W&B run ends as failed
+        finish_wandb(logger, exit_code=1)
+        raise
+    finish_wandb(logger)
     end = dict(module.latest_metrics)
-    if logger and hasattr(logger.experiment, "finish"):  # W&B: close the run so a later train() starts its own
-        logger.experiment.finish()
 
     # The checkpoint without a monitor keeps the latest state (configs/callbacks/default.yaml).
     latest = [c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor is None and c.best_model_path]
@@ -286,7 +313,8 @@ def train(cfg: DictConfig, callbacks: list[Any] | None = None) -> dict[str, Any]
 
 def experiment_choice(cfg: DictConfig) -> str | None:
     """The `experiment` a run was started with (None: none, or train() called without Hydra): Hydra's choice for this
-    command, or for a resume the one the run's record holds (a resume keeps its run's config groups)."""
+    command, or for a resume the one the run's record holds (a resume keeps its run's config groups). A model without
+    an experiment of its own (train.yaml's `optional experiment: ${model}`) has none."""
     if not HydraConfig.initialized():
         return None
     choices = HydraConfig.get().runtime.choices
@@ -294,7 +322,9 @@ def experiment_choice(cfg: DictConfig) -> str | None:
         record = run_dir_of(cfg.ckpt_path) / RECORD / "hydra.yaml"
         if record.is_file():
             choices = OmegaConf.load(record).hydra.runtime.choices
-    return choices.get("experiment")
+    experiment = choices.get("experiment")
+    options = GlobalHydra.instance().config_loader().get_group_options("experiment")
+    return experiment if experiment in options else None
 
 
 def accelerator(cfg: DictConfig) -> str:
@@ -303,16 +333,17 @@ def accelerator(cfg: DictConfig) -> str:
     return ("gpu" if torch.cuda.is_available() else "cpu") if chosen == "auto" else chosen
 
 
-def describe_run(cfg: DictConfig, experiment: str | None) -> str:
-    """One line saying what a run trains: the experiment, the target, the drafter's shape, the data and the schedule,
-    e.g. `experiment=quickstart: target smollm2 (the embedded GGUF), DFlash2 drafter of 1 draft layer over target
-    layers [2, 6], block size 8, batch 4 chats of max_length 256, data sharegpt (first 1400), 1 epoch, trainer cpu`.
-    A warm start's depth and layers are shown, since they replace the draft group's."""
-    draft = OmegaConf.to_container(cfg.draft, resolve=True) | warm_start_fields(cfg.module)
+def describe_run(cfg: DictConfig, experiment: str | None, draft: DFlash2Config) -> str:
+    """One line saying what a run trains: the experiment, the target, the drafter's shape (`draft`, as resolved: a
+    warm start's depth and layers included), the data and the schedule, e.g. `experiment=smollm2, task quickstart:
+    target smollm2 (the embedded GGUF), DFlash2 drafter of 1 draft layer over target layers [2, 6], block size 8,
+    batch 4 chats of max_length 256, data sharegpt (first 1400), 1 epoch, trainer cpu`. The task (the run folder's
+    and the W&B run's name) is shown where it is not the experiment's own name: a model's experiment that runs
+    another (model=smollm2's runs the quickstart)."""
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
     source = f"{model.path}" if model.get("path") else "the embedded GGUF" if model.get("gguf_file") else None
-    kind = "DFlash2" if (draft.get("conv_kernel_size") or draft.get("selector_rank")) else "DFlash"
-    layers, reads = draft.get("num_hidden_layers"), draft.get("target_layer_ids")
+    kind = "DFlash2" if (draft.use_conv or draft.use_selector) else "DFlash"
+    layers, reads = draft.num_hidden_layers, list(draft.target_layer_ids)
     steps, epochs = int(trainer.get("max_steps") or -1), trainer.get("max_epochs")
     schedule = f"{epochs} epoch{'' if epochs == 1 else 's'}"
     if steps > 0:
@@ -320,13 +351,14 @@ def describe_run(cfg: DictConfig, experiment: str | None) -> str:
     devices = trainer.get("devices", 1)
     devices = "" if devices == 1 else " on every visible device" if devices == -1 else f" x{devices}"
     name = f"experiment={experiment}" if experiment else f"no experiment (task {cfg.task_name})"
+    if experiment and cfg.task_name not in (experiment, DEFAULT_TASK):
+        name += f", task {cfg.task_name}"
     if cfg.get("ckpt_path"):
         name = f"resuming {cfg.ckpt_path} ({name})"
     parts = [
         f"target {model.name}" + (f" ({source})" if source else ""),
-        f"{kind} drafter of {layers} draft layer{'' if layers == 1 else 's'} over target layers "
-        + (str(reads) if reads is not None else "spread over the target's depth"),
-        f"block size {draft.get('block_size')}",
+        f"{kind} drafter of {layers} draft layer{'' if layers == 1 else 's'} over target layers {reads}",
+        f"block size {draft.block_size}",
         f"batch {data.get('batch_size')} chat{'' if data.get('batch_size') == 1 else 's'} of max_length "
         f"{data.get('max_length')}",
         f"data {data.get('path') or data.get('name')}" + (f" (first {data.limit})" if data.get("limit") else ""),
@@ -334,6 +366,16 @@ def describe_run(cfg: DictConfig, experiment: str | None) -> str:
         f"trainer {accelerator(cfg)}{devices}",
     ]
     return f"{name}: " + ", ".join(parts)
+
+
+def run_config(cfg: DictConfig, draft: DFlash2Config) -> dict[str, Any]:
+    """The run's config as W&B records it: the draft group's settings as the drafter was resolved (a warm start's depth
+    and layers, the target's values for the settings left null)."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    resolved = draft.to_dict()
+    fields = resolved | resolved.get("dflash_config", {})
+    config["draft"] = {k: fields.get(k, v) for k, v in config["draft"].items()}
+    return config
 
 
 def summary(result: dict[str, Any]) -> str:
