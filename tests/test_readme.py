@@ -1,22 +1,26 @@
 """What a newcomer runs first, as the README orders it: torch's CPU build before the install, then a like-for-like
-first evaluation of the shipped, fully trained drafter; and every command the README and docs/ show composes."""
+first evaluation of the shipped, fully trained drafter; and every command that the README, docs/ and BENCHMARKS.md
+show in their ```bash blocks composes (study.py's through configs/study.yaml, as the study runner itself composes)."""
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
 # The config each documented command composes.
 CONFIGS = {
     "train.py": "train",
     "export.py": "export",
     "evaluate.py": "evaluate",
+    "speed.py": "speed",
+    "study.py": "study",
     "-m dflash2.data.regenerate": "regenerate",
     "-m dflash2.data.sources": "sources",
     "-m dflash2.data.recipe": "recipe",
@@ -26,9 +30,10 @@ SHIPPED = "artifacts/drafters/smollm2-dflash"
 
 
 def commands(text: str) -> list[str]:
-    """The shell lines of a page's ```bash blocks, in order, comments dropped."""
+    """The shell lines of a page's ```bash blocks, in order, comments dropped and backslash-continued lines joined."""
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    return [line for line in lines if line]
 
 
 def section(title: str) -> str:
@@ -70,7 +75,7 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
                 head = f"python {entry}"
                 if line.startswith(head) and (line == head or line[len(head)] == " "):
                     rest = re.sub(r"<[^<>]*>", "PLACEHOLDER", line[len(head) :])  # <date>_<time>, <sweep dir>
-                    words = rest.split()
+                    words = shlex.split(rest)  # 'study.train_args=["objective.position_weights=decay"]' is one
                     if "-m" in words:  # a sweep: its first combination
                         words = [re.sub(r"=([^\[,]+),.*", r"=\1", w) for w in words if w != "-m"]
                     if all("=" in w and not w.startswith("[") for w in words):
@@ -80,7 +85,7 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
 
 def test_the_pages_show_the_main_commands():
     configs = {config for _, config, _ in documented_commands()}
-    assert {"train", "export", "evaluate", "regenerate", "recipe"} <= configs, configs
+    assert {"train", "export", "evaluate", "speed", "study", "regenerate", "recipe"} <= configs, configs
 
 
 @pytest.mark.parametrize("page,config,overrides", documented_commands())
