@@ -91,6 +91,7 @@ def test_static_draft_cache_computes_what_the_draft_cache_computes():
 
 
 # ---------------------------------------------------------------------------------------------- train_throughput.py
+@pytest.mark.slow
 def test_train_throughput_small_reports_consistent_rates(tmp_path):
     bench = load("train_throughput")
     out = tmp_path / "train.json"
@@ -151,6 +152,7 @@ def test_flop_formula_matches_the_flop_counter(preset):
     assert flops["target_attention"] == (max(draft.target_layer_ids) + 1) * 4 * hq * b * length * (length + 1) / 2
 
 
+@pytest.mark.slow
 def test_ddp_small_splits_the_global_batch_and_compares_curves(tmp_path):
     out = tmp_path / "ddp.json"
     load("ddp").main(["--small", "--out", str(out)])

@@ -135,6 +135,7 @@ def assert_same_tensors(single: dict[str, torch.Tensor], ddp: dict[str, torch.Te
         torch.testing.assert_close(ddp[k], single[k], rtol=tol, atol=tol, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
+@pytest.mark.slow
 def test_two_processes_train_what_one_process_trains_on_the_same_global_batch(chats, tmp_path):
     single = Record()
     cache = f"data.cache_dir={tmp_path}/cache"  # the single run renders the chats; the ranks read them

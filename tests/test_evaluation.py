@@ -279,6 +279,7 @@ def sweep(tiny, tmp_path_factory):
     return root / "multirun", (root / "evaluate.out").read_text()
 
 
+@pytest.mark.slow
 def test_output_to_a_file_has_no_bar_frames_or_library_warnings(sweep):
     sweep_dir, stdout = sweep
     output = stdout + (sweep_dir.parent / "evaluate.err").read_text()
@@ -288,6 +289,7 @@ def test_output_to_a_file_has_no_bar_frames_or_library_warnings(sweep):
     assert output.count("decode: 2/2 requests") == 8
 
 
+@pytest.mark.slow
 def test_sweep_writes_runs_summary_and_plots(sweep):
     sweep_dir, stdout = sweep
     table = pd.read_csv(sweep_dir / "summary.csv")
@@ -419,6 +421,7 @@ def test_wandb_summary_has_the_copy_gap(monkeypatch, tmp_path):
     assert summary and not [k for k in summary if k.startswith("copy_gap/")]
 
 
+@pytest.mark.slow
 def test_each_run_logs_its_progress_and_results_off_a_terminal(sweep):
     sweep_dir, stdout = sweep
     logs = [p.read_text() for p in sorted(sweep_dir.glob("*/evaluate.log"))]
@@ -430,6 +433,7 @@ def test_each_run_logs_its_progress_and_results_off_a_terminal(sweep):
     assert stdout.count("decode: 2/2 requests") == 8
 
 
+@pytest.mark.slow
 def test_a_damaged_drafter_fails_in_one_sentence_before_the_target_loads(tiny, tmp_path):
     draft = export_draft(tiny, tmp_path / "draft")
     os.truncate(draft / "model.safetensors", (draft / "model.safetensors").stat().st_size // 2)
@@ -456,6 +460,7 @@ def test_a_damaged_drafter_fails_in_one_sentence_before_the_target_loads(tiny, t
         (["drafter={draft}", "repeats=0"], "repeats=0"),
     ],
 )
+@pytest.mark.slow
 def test_a_refused_start_leaves_no_run_or_sweep_folder(tiny, tmp_path, args, error):
     """A bad drafter (in a sweep too) or setting fails in one line before Hydra makes a run or sweep folder: nothing
     to clean up under outputs/ or multirun/."""
@@ -469,6 +474,7 @@ def test_a_refused_start_leaves_no_run_or_sweep_folder(tiny, tmp_path, args, err
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.slow
 def test_notebook_runs_on_the_sweep(sweep, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
@@ -529,6 +535,7 @@ def test_tau_plot_ticks_each_bar_with_its_own_drafters_tau_sim():
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_evaluation_and_regeneration_import_no_lightning():
     """Decoding and regenerating need no training stack: importing them must not pull Lightning in."""
     code = "import sys, dflash2.evaluation.run, dflash2.data.regenerate; print('lightning' in sys.modules)"

@@ -470,6 +470,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_exports_a_run_dir_and_checks_it(tmp_path):
     write_ckpt(tmp_path / "run" / "checkpoints" / "last.ckpt", trained_model(tiny_config()))
     out = tmp_path / "drafter"

@@ -93,6 +93,7 @@ def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", fs.DTYPES)
 def test_a_step_from_the_cache_is_the_online_step_within_the_formats_bound(setup, dtype):
     cfg, target, draft, rows, caches = setup
@@ -245,6 +246,7 @@ def test_the_writer_resumes_missing_shards_and_refuses_a_folder_of_other_setting
     assert json.loads((folder / fs.MANIFEST).read_text())["dtype"] == "fp8"
 
 
+@pytest.mark.slow
 def test_training_runs_validates_and_resumes_from_the_cache_without_the_targets_layers(setup, chats, tmp_path):
     cfg, target, draft, rows, caches = setup
     run, cache = tmp_path / "run", f"data.features={caches['fp8']}"

@@ -279,6 +279,7 @@ def test_regenerate_marks_replies_cut_by_max_new_tokens(tiny, tmp_path, monkeypa
         assert row["loss_mask"][closing] == (rid == "c0")
 
 
+@pytest.mark.slow
 def test_the_recipe_command_writes_prompts_and_both_answer_files_and_resumes(tmp_path):
     """`python -m dflash2.data.recipe` on the tiny target: the prompts file, then the chats' and the prompts' replies
     by one target load, each output what `regenerate` writes; a rerun rewrites the prompts unchanged and adds nothing.

@@ -32,6 +32,7 @@ class Probe(Callback):
         self.lr = trainer.optimizers[0].param_groups[0]["lr"]
 
 
+@pytest.mark.slow
 def test_checkpoint_layout_and_resume(chats, tmp_path):
     from dflash2.training.checkpoint import draft_from_checkpoint
 
@@ -83,6 +84,7 @@ class Batches(Callback):
         self.rows.append(batch["input_ids"].tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_by", ["validation", "time"])
 def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path, saved_by):
     """Killed in its 5th batch of an 8-batch epoch, a run resumed from last.ckpt trains on batches 5 and 6 of the same
@@ -106,6 +108,7 @@ def test_a_run_killed_mid_epoch_resumes_the_epochs_order(chats, tmp_path, saved_
     assert done["global_step"] == 6 and torch.load(last, weights_only=True)["global_step"] == 6
 
 
+@pytest.mark.slow
 def test_max_time_stops_a_run_at_its_budget_with_a_checkpoint(chats, tmp_path):
     """trainer.max_time (Lightning's Timer) ends a run long before its max_steps, and the run keeps what it trained:
     a last checkpoint at the step it stopped, which exports."""
@@ -138,6 +141,7 @@ def test_the_first_validation_runs_in_the_grad_mode_of_fits_validations(chats, t
     assert {tuple(modes) for _, *modes in probe.modes} == {(False, False)}, probe.modes
 
 
+@pytest.mark.slow
 def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_path):
     """With the learning rate at 0, val/tau_sim never improves after the first validation: the best checkpoint stays
     at step 2 while last.ckpt (what a resume and the exporter read) follows every validation, to step 4."""
@@ -152,6 +156,7 @@ def test_last_checkpoint_is_the_latest_state_even_without_a_new_best(chats, tmp_
     assert torch.load(best, weights_only=True)["global_step"] == 2 and best.stat().st_nlink == 1
 
 
+@pytest.mark.slow
 def test_when_the_latest_validation_is_the_best_one_copy_is_kept(chats, tmp_path):
     """A run whose last validation is also its best keeps one file under two names (last.ckpt a hard link to the
     best), not two copies of the same state; a resume and the exporter read last.ckpt as before."""
@@ -182,6 +187,7 @@ class FirstStepFc(Callback):
             self.stepped = module.draft.fc.weight.detach().clone()
 
 
+@pytest.mark.slow
 def test_feature_scaling_scales_a_fresh_run_once_and_a_resume_never(chats, tmp_path, caplog):
     """module.feature_scaling rescales fc's column blocks at a fresh run's first step (and logs the RMS it measured);
     a resumed run keeps the fc of its checkpoint. With objective.distill the soft CE is logged beside the hard one."""
@@ -215,6 +221,7 @@ def test_mixed_precision_trains_with_gradient_clipping(chats, tmp_path):
     assert train(cfg)["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_a_fused_adamw_under_bf16_mixed_clips_as_the_foreach_one(chats, tmp_path):
     """optim.fused=true under bf16-mixed, where Lightning's plugin would refuse to clip: the module clips by norm, and
     three steps end on the foreach step's weights; with no clipping they end elsewhere, so the clip acted."""
@@ -261,6 +268,7 @@ class WandbProbe(Callback):
         self.id = trainer.logger.experiment.id
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_resumed_with_the_same_id(chats, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     run, probes = tmp_path / "run", [WandbProbe(), WandbProbe()]
@@ -286,6 +294,7 @@ def offline_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_an_unavailable_target_fails_fast_in_one_sentence(tmp_path):
     """`python train.py model=qwen3` offline, without Qwen3-8B in the cache: one sentence naming model.path, before
     anything loads, no traceback and no run folder."""
@@ -298,6 +307,7 @@ def test_an_unavailable_target_fails_fast_in_one_sentence(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_missing_recipe_data_names_the_command_that_makes_it(tmp_path):
     """With its target found (here the tiny one's folder, with SmolLM2's vocabulary hence its mask token, and its 4
     layers), the Qwen3 experiment's missing data fails in one sentence naming the recipe command that writes exactly
@@ -400,6 +410,7 @@ def test_each_model_trains_with_its_own_experiment():
     assert rehearsal.model.name == "tiny" and rehearsal.model.gguf_file is None and rehearsal.draft.block_size == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, experiment", [("tiny", "quickstart"), ("tiny", "qwen3"), ("qwen3", "smollm2")])
 def test_a_model_typed_beside_another_targets_experiment_is_refused(tmp_path, model, experiment):
     """A model-named experiment brings its target's config: `model=X experiment=Y` for another target's Y would train
@@ -458,6 +469,7 @@ NOT_LOG_LINES = ("\r", "\x1b", "\N{BOX DRAWINGS HEAVY HORIZONTAL}", "it/s]", "Tr
                  "Rendering chats", "flops_per_batch", "Run history", "\N{LOWER ONE EIGHTH BLOCK}")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_output_to_a_file_keeps_to_the_runs_lines(cli_run):
     """Off a terminal (nohup, `> file`) the output holds log lines only (NOT_LOG_LINES): each library's noise is off
     by its own switch (Lightning's enable_model_summary and rank_zero logger, W&B's quiet setting, warnings filters)."""
@@ -468,6 +480,7 @@ def test_output_to_a_file_keeps_to_the_runs_lines(cli_run):
     assert "validation at step 4: tau_sim " in output and "train: 4/4 steps" in output  # dflash2's own lines
 
 
+@pytest.mark.slow
 def test_the_first_log_line_says_what_the_run_trains(cli_run):
     run, _ = cli_run
     first = (run / "train.log").read_text().splitlines()[0]
@@ -495,6 +508,7 @@ def test_the_quickstarts_line_names_it_and_its_sizes():
     )
 
 
+@pytest.mark.slow
 def test_train_log_holds_each_validation_and_the_summary_off_a_terminal(cli_run):
     run, stdout = cli_run
     log = (run / "train.log").read_text()
@@ -505,6 +519,7 @@ def test_train_log_holds_each_validation_and_the_summary_off_a_terminal(cli_run)
     assert "validation at step 4: tau_sim " in stdout and "steps       4 in" in stdout
 
 
+@pytest.mark.slow
 def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
     """Resumed from step 2 with nothing but the checkpoint (plus a group retyped as it was, and one new setting), the
     run goes on to its own max_steps=4 (the defaults would train for epochs), and its record stays as it was."""
@@ -526,6 +541,7 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
     assert done.returncode != 0 and "model=smollm2" in done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_timed_checkpoint(chats, tmp_path):
     """A run whose output goes to files, killed (SIGTERM) between validations once its timed checkpoint exists,
     resumes with the README's command, `python train.py ckpt_path=<run>/checkpoints/last.ckpt`, from that step, and
@@ -558,6 +574,7 @@ def test_a_killed_run_resumes_from_its_timed_checkpoint(chats, tmp_path):
     assert f"resuming {last} (experiment=tiny)" in (run / "train.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["missing", "truncated", "not_a_training_state"])
 def test_a_resume_that_cannot_start_writes_and_logs_nothing(tmp_path, checkpoint):
     """A resume whose checkpoint is missing, unreadable or not a training checkpoint fails in one sentence naming
@@ -617,6 +634,7 @@ def test_a_malformed_data_file_leaves_no_wandb_run(tmp_path):
 @pytest.mark.parametrize(
     "bad, error", [("draft.conv_group_size=7", "draft.conv_group_size: 7 does not divide"), ("data", "line 1 is not")]
 )
+@pytest.mark.slow
 def test_bad_input_leaves_no_run_folder(chats, tmp_path, bad, error):
     """train.py checks the drafter's settings and the data file before Hydra makes the run folder (and train.log)."""
     data, overrides = chats, [bad]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 pytest_plugins = ["pytester"]
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 
+@pytest.mark.slow
 def test_a_failing_test_names_the_seed_that_replays_its_draws(pytester, monkeypatch):
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makepyfile(

@@ -137,6 +137,7 @@ def speed_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_command_writes_costs_predictions_and_measurements_that_agree(tiny, tmp_path):
     draft = export_draft(tiny, tmp_path / "draft")  # block 4
     out = tmp_path / "out"
@@ -244,6 +245,7 @@ def test_bad_settings_are_refused_before_loading_or_writing(tiny, tmp_path, monk
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_results_of_another_bench_are_refused_in_one_line(tiny, tmp_path):
     draft = export_draft(tiny, tmp_path / "draft")
     run = {"block_size": 4, "accept_hist": [3, 1, 0, 0], "bench": "mbpp", "temperature": 0.0}

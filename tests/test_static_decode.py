@@ -215,6 +215,7 @@ def compaction_drops_a_slot(monkeypatch):
     "sabotage, temperature",
     [(off_by_one_pointer, 0.0), (finished_rows_draw, 1.0), (compaction_drops_a_slot, 0.0)],
 )
+@pytest.mark.slow
 def test_the_comparison_catches_a_broken_fast_path(tiny, sabotage, temperature, monkeypatch):
     """The same comparison as above fails when the fast path is broken in a small way."""
     seed = random.randrange(10_000)

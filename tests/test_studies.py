@@ -137,6 +137,7 @@ def test_the_studies_plan_their_gpu_runs_with_the_published_layers(tmp_path):
     assert acceptance.speed is not None and "baseline=true" in acceptance.speed
 
 
+@pytest.mark.slow
 def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(tmp_path):
     """Every variant composes with the GPU experiment, passes train.py's checks (make_plan runs them) and changes the
     baseline's config; steps and validations see the baseline's conversations whatever the batch."""
@@ -179,6 +180,7 @@ def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(t
         (["study.probe.margin=1.5"], "study.probe.margin=1.5"),
     ],
 )
+@pytest.mark.slow
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, monkeypatch, overrides, named):
     from dflash2.studies import runner
 
@@ -194,6 +196,7 @@ def test_a_study_without_a_work_folder_is_refused():
         run_study(compose("study", ["study=depth"]))
 
 
+@pytest.mark.slow
 def test_study_py_refuses_a_bad_setting_in_one_sentence(tmp_path):
     work = tmp_path / "work"
     command = [sys.executable, "study.py", "study=depth", f"dir={work}", "study.drafters=[layers4]"]
@@ -357,6 +360,7 @@ def kinds(ran: list[list[str]]) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_a_study_runs_its_stages_in_order_and_a_rerun_runs_nothing_again(tmp_path, entry_points):
     cfg = study_cfg(tmp_path, "study=acceptance", "rehearse=true")
     result = run_study(cfg)

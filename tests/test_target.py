@@ -77,6 +77,7 @@ def test_logits_false_gives_same_hidden_and_skips_later_layers():
     torch.testing.assert_close(features.hidden, torch.cat([ref[3], ref[1]], -1), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_features_and_stop_early_too():
     """model.compile's path (compiled_layers, which training enters on CUDA): each layer's forward compiled, the loop,
     hooks and early stop eager. Same features as eager at two lengths (one graph), the deepest captured layer is still
@@ -207,6 +208,7 @@ def test_uncached_hub_id_fails_fast_in_one_sentence(monkeypatch):
     assert "\n" not in message and message.count(". ") == 0
 
 
+@pytest.mark.slow
 def test_cli_offline_qwen3_prints_one_line(tmp_path):
     # No offline flag: an unreachable Hub endpoint must fail as fast as HF_HUB_OFFLINE=1 does.
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
@@ -269,6 +271,7 @@ def test_embedded_smollm2_loads():
     assert out.hidden.shape == (1, 6, 576 * 2)
 
 
+@pytest.mark.slow
 def test_the_embedded_tokenizer_takes_its_special_tokens_from_the_gguf(monkeypatch):
     """Whatever roles transformers' converter gives (5.17 made <|im_start|> SmolLM2's eos and set no pad), the folder
     gets the ids the GGUF states; the vocabulary, hence the drafter's identity, is the converter's."""

@@ -327,6 +327,7 @@ def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
 
 
 # ---------------------------------------------------------------------- the module on the tiny target
+@pytest.mark.slow
 def test_loss_decreases(parts):
     torch.manual_seed(random.randint(0, 2**31))
     # The tiny target's random head has rows of norm ~0.16: its logits cannot leave ~ln(V) whatever the drafter
