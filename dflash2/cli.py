@@ -7,6 +7,7 @@ one sentence instead of a traceback.
     python export.py ...                     export()      configs/export.yaml
     python evaluate.py [-m] ...              evaluate()    configs/evaluate.yaml
     python speed.py ...                      speed()       configs/speed.yaml
+    python study.py ...                      study()       configs/study.yaml
     python -m dflash2.data.regenerate ...    regenerate()  configs/regenerate.yaml
     python -m dflash2.data.sources ...       sources()     configs/sources.yaml
     python -m dflash2.data.recipe ...        recipe()      configs/recipe.yaml
@@ -73,6 +74,13 @@ def speed() -> None:
     from dflash2.evaluation.speed import run
 
     command("speed", run)
+
+
+def study() -> None:
+    """A study end to end (dflash2.studies.main); the exit status is the study's."""
+    from dflash2.studies import main
+
+    command("study", lambda cfg: sys.exit(main(cfg)))
 
 
 def regenerate() -> None:

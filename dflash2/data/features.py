@@ -17,12 +17,10 @@ binding differs from the run's, naming the setting, before any weights load. The
 and rows as training builds them (`dflash2/training/features.py`); this module writes them.
 
 Storage (`dtype`): bf16 (2 bytes per value; the features' relative rounding 2^-8) or fp8 (float8 e4m3 with one
-float32 scale per token and layer, amax/448: 1 byte per value plus 4 per layer; relative rounding 2^-4). fp8 e5m2,
-int8 and zlib-compressed bf16 were measured and not kept (BENCHMARKS.md, "Storage ways tried"). Storing the
-fused `fc` output instead (H values per token instead of n*H) would halve bf16's bytes for two layers (and divide
-Qwen3-8B's five by five), but `fc` would then be frozen, which only the heads-only warm start allows
-(`module.train_backbone=false`); not done. Nor is the final hidden state (soft-label distillation,
-`objective.distill`) stored: [L, H] more per row, for an objective that is not the recipe's; such a run is refused.
+float32 scale per token and layer, amax/448: 1 byte per value plus 4 per layer; relative rounding 2^-4); fp8 e5m2,
+int8 and zlib-compressed bf16 lose more or cost more (BENCHMARKS.md, "Storage ways tried"). The cache holds the
+target's layers, not `fc`'s fused output, so that `fc` still trains. The final hidden state (soft-label distillation,
+`objective.distill`) is not stored: [L, H] more per row; such a run is refused.
 """
 
 from __future__ import annotations
