@@ -393,7 +393,7 @@ def test_copy_probe_trains_on_loops_with_the_oracles_features(tmp_path):
 
 def test_random_weight_smollm2_has_the_embedded_targets_architecture():
     """--random-weights measures the SmolLM2 step without the GGUF: only if its architecture is the real one."""
-    from dflash2.target.model import load_target_config
+    from dflash2.target.inherited import load_target_config
 
     bench = load("train_throughput")
     bench.register_resolvers()

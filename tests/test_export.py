@@ -430,7 +430,8 @@ def test_the_shipped_drafters_manifest_is_the_embedded_targets_identity(caplog):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from dflash2.target.model import load_target_config, target_source
+    from dflash2.target.inherited import load_target_config
+    from dflash2.target.locate import target_source
 
     model = OmegaConf.load(REPO / "configs" / "model" / "smollm2.yaml")
     path, kwargs = target_source(model.path, model.gguf_file)

@@ -59,7 +59,7 @@ def test_the_first_evaluation_is_the_shipped_drafter_beside_prompt_lookup_at_its
         assert settings[0].get(key) == settings[1].get(key), key
     config = ROOT / SHIPPED / "config.json"
     block = json.loads(config.read_text())["dflash_config"]["block_size"] if config.is_file() else 16
-    from dflash2.evaluation.run import PLD_BLOCK_SIZE
+    from dflash2.evaluation.checks import PLD_BLOCK_SIZE
 
     assert int(settings[1].get("block_size", PLD_BLOCK_SIZE)) == block  # like for like
     assert "What the quickstart's drafter is for" in section("Quickstart")

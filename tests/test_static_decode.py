@@ -14,7 +14,8 @@ from torch._dynamo.utils import counters
 from dflash2.decoding import speculative as spec
 from dflash2.decoding import static as fast
 from dflash2.decoding.lookup import PromptLookup
-from dflash2.evaluation.run import check_settings, evaluate
+from dflash2.evaluation.checks import check_settings
+from dflash2.evaluation.run import evaluate
 from dflash2.model.drafter import StaticDraftCache, take_slots_
 from dflash2.target.static_cache import TargetStaticCache
 from dflash2.testing import tiny_target

@@ -13,14 +13,9 @@ import torch
 import yaml
 from torch import nn
 
+from dflash2.target.inherited import choose_mask_token, draft_config_fields, load_target_config
 from dflash2.target.locate import TargetNotFoundError
-from dflash2.target.model import (
-    TargetModel,
-    choose_mask_token,
-    compile_mode,
-    draft_config_fields,
-    load_target_config,
-)
+from dflash2.target.model import TargetModel, compile_mode
 from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,25 +14,22 @@ import functools
 import json
 import logging
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash2.decoding import static as static_decode
 from dflash2.decoding.lookup import PromptLookup
 from dflash2.decoding.speculative import Generation, OnCommit, Sampling, speculative_generate, target_generate
+from dflash2.evaluation.checks import PLD, check_drafter, check_settings, prompt_lookup
 from dflash2.evaluation.copy_gap import copy_gap, replayable
 from dflash2.evaluation.report import format_table, log_wandb
-from dflash2.export.check import lint
+from dflash2.evaluation.timing import baseline_speed, clock, speed, timed_passes
 from dflash2.groups import build
 from dflash2.model import kernels
 from dflash2.model.config import DFlash2Config
-from dflash2.model.contract import check_block_size
 from dflash2.model.drafter import DFlash2DraftModel
 from dflash2.progress import DecodeProgress, quiet_libraries
 from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
@@ -47,9 +44,6 @@ from dflash2.target.model import resolve_device
 
 log = logging.getLogger(__name__)
 
-PLD = "pld"  # drafter=pld: prompt lookup, the training-free baseline, in place of an export folder
-PLD_BLOCK_SIZE = 16  # its block when block_size is null: 15 proposals, as in the PLD figure BENCHMARKS quotes
-
 
 # ---------------------------------------------------------------------------------------------- loading
 @functools.lru_cache(maxsize=1)  # the runs of a sweep (one process) share one target
@@ -63,61 +57,6 @@ def load_model_target(cfg: DictConfig, device: torch.device, layer_ids: list[int
     model = OmegaConf.to_container(cfg.model, resolve=True) | {"target_layer_ids": list(layer_ids)}
     target = load_target(json.dumps(model, sort_keys=True), str(device))
     return target, target_identity(target.name, target.config, target.tokenizer)
-
-
-def check_drafter(drafter: Any) -> None:
-    """`drafter` as evaluate.py takes it, refused in one sentence naming it and the fix: unset, or a folder that fails
-    `export.py check` (config.json and the safetensors headers only: a second, before any target loads)."""
-    if not drafter or drafter == "???":
-        raise ValueError("drafter is not set: pass drafter=<export dir> (a folder export.py wrote), or drafter=pld")
-    if drafter == PLD:
-        return
-    report = lint(Path(str(drafter)).expanduser())
-    if not report.ok:
-        raise ValueError(f"drafter={drafter} fails `export.py check`: " + "; ".join(report.problems))
-
-
-def check_settings(cfg: DictConfig) -> None:
-    """Everything about a run that can be refused without loading anything: the drafter, `repeats`, `block_size`,
-    `decode` / `compile` and prompt lookup's settings."""
-    check_drafter(cfg.get("drafter"))
-    static_decode.decode_mode(cfg.get("decode", "plain"), cfg.get("compile", False))
-    repeats = int(cfg.repeats)
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}: it counts the timed passes over the prompts, so it must be at least 1")
-    if cfg.get("block_size") is not None:
-        check_block_size(cfg.block_size)  # a drafter's own B is its export's, which the linter checks
-    check_chat_template_kwargs(cfg.get(KWARGS_KEY), KWARGS_KEY)
-    if cfg.drafter == PLD:
-        prompt_lookup(cfg)
-
-
-class CheckSettings(HydraCallback):
-    """Hydra callback (configs/evaluate.yaml): bad settings and drafters are refused before Hydra makes the run folder
-    (or a sweep's), so a failed start leaves nothing behind. A sweep's drafters (`-m drafter=a,b`) are each checked."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        quiet_libraries()  # first: the checks below may dequantize a GGUF target, with the libraries' bars
-        try:
-            check_settings(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(str(e)) from None
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        quiet_libraries()
-        try:
-            for override in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
-                if override.key_or_group != "drafter":
-                    continue
-                if not override.is_sweep_override():
-                    check_drafter(override.get_value_element_as_str())
-                elif override.is_choice_sweep():
-                    for drafter in override.sweep_string_iterator():
-                        check_drafter(drafter)
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(str(e)) from None
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel, dict[str, Any]]:
@@ -137,14 +76,6 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftM
         )
     draft = DFlash2DraftModel.from_pretrained(draft_dir, dtype=target.lm_head_weight.dtype, device=device).eval()
     return target, draft, identity
-
-
-def prompt_lookup(cfg: DictConfig) -> tuple[PromptLookup, int]:
-    """drafter=pld: the lookup of the `pld` settings and its block size (block_size, or 16 when null), validated."""
-    lookup = PromptLookup(**OmegaConf.to_container(cfg.pld, resolve=True))
-    block_size = int(cfg.block_size or PLD_BLOCK_SIZE)
-    lookup.slots(block_size)
-    return lookup, block_size
 
 
 def describe_draft(
@@ -318,13 +249,6 @@ def _sample(prompt_id: str, turn: int, prompt_ids: list[int], out: Generation) -
     }
 
 
-def clock(target: Any) -> float:
-    """perf_counter once the target's device has finished its queued work."""
-    if target.lm_head_weight.is_cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def load_run(cfg: DictConfig, device: torch.device) -> tuple[Any, DFlash2DraftModel | PromptLookup, dict, int, bool]:
     """What a run decodes with: (target, drafter or prompt lookup, the target's identity, block size, whether the
     candidate selector proposes); prompt lookup's settings are refused before a target loads."""
@@ -362,32 +286,6 @@ def decode_settings(cfg: DictConfig, target: Any) -> dict[str, Any]:
         decode=cfg.get("decode", "plain"),
         compile=cfg.get("compile", False),
     )
-
-
-def timed_passes(
-    cfg: DictConfig,
-    turns: Any,
-    target: Any,
-    draft: DFlash2DraftModel | PromptLookup,
-    prompts: list[dict],
-    settings: dict[str, Any],
-    block_size: int,
-    use_selector: bool,
-    baseline: bool,
-) -> tuple[list[tuple[list[dict], float]], list[tuple[list[dict], float]]]:
-    """`repeats` timed passes over the prompts (`turns`: `generate_turns` with the run's rendering) -> (speculative
-    passes, target-alone passes: empty unless `baseline`). Each pass starts from the same seed; the target alone
-    follows each pass, so the two speeds are compared pass by pass on a machine in the same state."""
-    device = target.lm_head_weight.device
-    spec = dict(settings, block_size=block_size, use_selector=use_selector)
-    passes, reference = [], []
-    for r in range(int(cfg.repeats)):
-        generator = torch.Generator(device).manual_seed(int(cfg.seed))
-        passes.append(turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
-        if baseline:
-            generator = torch.Generator(device).manual_seed(int(cfg.seed))
-            reference.append(turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r)))
-    return passes, reference
 
 
 def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -468,45 +366,6 @@ def finished_run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return results if results.get("config") == settings_of(cfg) else None
-
-
-def warmup(cfg: DictConfig, pass_index: int) -> bool:
-    return bool(cfg.warmup) and pass_index == 0  # one-off costs are paid once, before the first timed pass
-
-
-def speed(passes: list[tuple[list[dict], float]]) -> dict[str, Any]:
-    """tokens/s as the median over the timed passes, with every pass's figure beside it."""
-    rates = [sum(len(s["output_ids"]) for s in samples) / seconds for samples, seconds in passes if seconds > 0]
-    return {
-        "tokens_per_s": statistics.median(rates) if rates else None,
-        "tokens_per_s_passes": rates,
-        "seconds": statistics.median(seconds for _, seconds in passes),
-    }
-
-
-def baseline_speed(
-    reference: list[tuple[list[dict], float]],
-    passes: list[tuple[list[dict], float]],
-    rates: list[float],
-    temperature: float,
-) -> dict[str, Any]:
-    """The target alone on the same prompts: its speed, the speed-up pass by pass, and at T = 0 a check that
-    speculative decoding was lossless."""
-    out = speed(reference)
-    ratios = [a / b for a, b in zip(rates, out["tokens_per_s_passes"], strict=True)]
-    out["speedup"] = statistics.median(ratios) if ratios else None
-    if temperature == 0:
-        samples, target_samples = passes[0][0], reference[0][0]
-        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(samples, target_samples, strict=True))
-        out["identical_outputs"] = same / len(samples)
-        if same < len(samples):
-            log.warning(
-                "%d of %d greedy outputs differ from the target's own (numerics of batched vs one-token "
-                "forwards, or a bug)",
-                len(samples) - same,
-                len(samples),
-            )
-    return out
 
 
 def main(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:

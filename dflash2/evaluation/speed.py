@@ -47,8 +47,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash2.decoding.costs import measure_costs
 from dflash2.decoding.speculative import Drafter
+from dflash2.evaluation import checks
 from dflash2.evaluation import run as evaluation
 from dflash2.evaluation.speed_report import format_table
+from dflash2.evaluation.timing import baseline_speed, speed, timed_passes
 from dflash2.model import kernels
 from dflash2.model.config import DFlash2Config
 from dflash2.model.contract import BLOCK_SIZE_RULE, valid_block_size
@@ -159,8 +161,8 @@ def _column(costs: Mapping[int, Mapping[str, float]], key: str) -> dict[int, flo
 def acceptance_block(cfg: DictConfig) -> int:
     """The block the acceptance is decoded and the speed-up measured at: `block_size`, else the drafter's own
     (config.json only), or prompt lookup's default."""
-    if cfg.drafter == evaluation.PLD:
-        return evaluation.prompt_lookup(cfg)[1]
+    if cfg.drafter == checks.PLD:
+        return checks.prompt_lookup(cfg)[1]
     return int(cfg.block_size or DFlash2Config.from_pretrained(Path(cfg.drafter).expanduser()).block_size)
 
 
@@ -168,7 +170,7 @@ def read_results(cfg: DictConfig) -> dict[int, dict[str, Any]]:
     """`results=`: block size -> {path, results} of each evaluate.py run given, refused unless it measured this
     drafter (same folder, or the same manifest), bench, temperature and selector setting, one run per block."""
     runs: dict[int, dict[str, Any]] = {}
-    drafter = None if cfg.drafter == evaluation.PLD else Path(cfg.drafter).expanduser()
+    drafter = None if cfg.drafter == checks.PLD else Path(cfg.drafter).expanduser()
     config = None if drafter is None else DFlash2Config.from_pretrained(drafter)
     for given in cfg.results:
         path = Path(str(given)).expanduser()
@@ -179,7 +181,7 @@ def read_results(cfg: DictConfig) -> dict[int, dict[str, Any]]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"results={given}: not an evaluate.py results.json ({e})") from None
         if config is None:
-            same = draft.get("name") == evaluation.PLD and draft.get("path") is None
+            same = draft.get("name") == checks.PLD and draft.get("path") is None
             selector = None
         else:
             manifest = config.extra.get(MANIFEST_KEY)
@@ -220,7 +222,7 @@ def block_sizes(cfg: DictConfig, block: int, given: Mapping[int, Any]) -> list[A
 
 def check_settings(cfg: DictConfig) -> tuple[int, list[int], dict[int, dict[str, Any]]]:
     """Everything refusable before a target loads -> (the acceptance block, the blocks to predict at, `results`)."""
-    evaluation.check_settings(cfg)  # the drafter, repeats, block_size, chat_template_kwargs, prompt lookup
+    checks.check_settings(cfg)  # the drafter, repeats, block_size, chat_template_kwargs, prompt lookup
     for key in ("costs.steps", "costs.runs"):
         value = OmegaConf.select(cfg, key)
         if type(value) is not int or value < 1:
@@ -239,9 +241,9 @@ def check_settings(cfg: DictConfig) -> tuple[int, list[int], dict[int, dict[str,
                 f"decoded: the truncation estimate only shortens blocks; give results=[<an evaluate.py run at "
                 f"block_size={b}>] or leave {b} out"
             )
-        if cfg.drafter == evaluation.PLD:
+        if cfg.drafter == checks.PLD:
             try:
-                evaluation.prompt_lookup(cfg)[0].slots(b)
+                checks.prompt_lookup(cfg)[0].slots(b)
             except ValueError as e:
                 raise ValueError(f"block_sizes={_typed(cfg.block_sizes)} holds {b}: {e}") from None
     return block, sorted(set(blocks)), given
@@ -293,11 +295,9 @@ def measure_speed(
     evaluate.py times them (`baseline=true`): tokens/s, speed-up, tau and, at T = 0, identical outputs."""
     batch_settings = dict(settings, batch_size=batch)
     cycled = fill(prompts, batch)
-    passes, reference = evaluation.timed_passes(
-        cfg, turns, target, draft, cycled, batch_settings, block, use_selector, True
-    )
-    spec = evaluation.speed(passes)
-    base = evaluation.baseline_speed(reference, passes, spec["tokens_per_s_passes"], settings["temperature"])
+    passes, reference = timed_passes(cfg, turns, target, draft, cycled, batch_settings, block, use_selector, True)
+    spec = speed(passes)
+    base = baseline_speed(reference, passes, spec["tokens_per_s_passes"], settings["temperature"])
     samples = passes[0][0]
     return {
         "tokens_per_s": spec["tokens_per_s"],

@@ -273,7 +273,7 @@ def check_evaluate(study: DictConfig, eval_args: list[str]) -> None:
     from hydra.errors import HydraException
 
     from dflash2.data.benches import load_prompts
-    from dflash2.evaluation.run import check_settings
+    from dflash2.evaluation.checks import check_settings
 
     benches = sorted(
         {str(b) for group in study.benches for b in group} | ({study.speed.bench} if study.speed else set())

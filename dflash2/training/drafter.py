@@ -39,7 +39,8 @@ def target_fields(target: Any) -> dict[str, Any]:
 
 def target_config_fields(model_cfg: DictConfig) -> dict[str, Any]:
     """`target_fields` from the `model` group and the target's config.json alone, in a second, before any weights."""
-    from dflash2.target.model import draft_config_fields, load_target_config  # here: transformers' seconds, this only
+    # Imported here: transformers' seconds, for this only.
+    from dflash2.target.inherited import draft_config_fields, load_target_config
 
     return draft_config_fields(load_target_config(model_cfg)) | {"mask_token_id": model_cfg.get("mask_token_id")}
 

@@ -1,0 +1,89 @@
+"""How evaluate.py (and speed.py) time decoding: the clock, the timed passes over the prompts, and the tokens/s and
+speed-up they give."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from dflash2.decoding.lookup import PromptLookup
+from dflash2.model.drafter import DFlash2DraftModel
+
+log = logging.getLogger(__name__)
+
+
+def clock(target: Any) -> float:
+    """perf_counter once the target's device has finished its queued work."""
+    if target.lm_head_weight.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def warmup(cfg: DictConfig, pass_index: int) -> bool:
+    return bool(cfg.warmup) and pass_index == 0  # one-off costs are paid once, before the first timed pass
+
+
+def timed_passes(
+    cfg: DictConfig,
+    turns: Any,
+    target: Any,
+    draft: DFlash2DraftModel | PromptLookup,
+    prompts: list[dict],
+    settings: dict[str, Any],
+    block_size: int,
+    use_selector: bool,
+    baseline: bool,
+) -> tuple[list[tuple[list[dict], float]], list[tuple[list[dict], float]]]:
+    """`repeats` timed passes over the prompts (`turns`: `generate_turns` with the run's rendering) -> (speculative
+    passes, target-alone passes: empty unless `baseline`). Each pass starts from the same seed; the target alone
+    follows each pass, so the two speeds are compared pass by pass on a machine in the same state."""
+    device = target.lm_head_weight.device
+    spec = dict(settings, block_size=block_size, use_selector=use_selector)
+    passes, reference = [], []
+    for r in range(int(cfg.repeats)):
+        generator = torch.Generator(device).manual_seed(int(cfg.seed))
+        passes.append(turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
+        if baseline:
+            generator = torch.Generator(device).manual_seed(int(cfg.seed))
+            reference.append(turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r)))
+    return passes, reference
+
+
+def speed(passes: list[tuple[list[dict], float]]) -> dict[str, Any]:
+    """tokens/s as the median over the timed passes, with every pass's figure beside it."""
+    rates = [sum(len(s["output_ids"]) for s in samples) / seconds for samples, seconds in passes if seconds > 0]
+    return {
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_per_s_passes": rates,
+        "seconds": statistics.median(seconds for _, seconds in passes),
+    }
+
+
+def baseline_speed(
+    reference: list[tuple[list[dict], float]],
+    passes: list[tuple[list[dict], float]],
+    rates: list[float],
+    temperature: float,
+) -> dict[str, Any]:
+    """The target alone on the same prompts: its speed, the speed-up pass by pass, and at T = 0 a check that
+    speculative decoding was lossless."""
+    out = speed(reference)
+    ratios = [a / b for a, b in zip(rates, out["tokens_per_s_passes"], strict=True)]
+    out["speedup"] = statistics.median(ratios) if ratios else None
+    if temperature == 0:
+        samples, target_samples = passes[0][0], reference[0][0]
+        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(samples, target_samples, strict=True))
+        out["identical_outputs"] = same / len(samples)
+        if same < len(samples):
+            log.warning(
+                "%d of %d greedy outputs differ from the target's own (numerics of batched vs one-token "
+                "forwards, or a bug)",
+                len(samples) - same,
+                len(samples),
+            )
+    return out
