@@ -223,6 +223,25 @@ def test_cli_offline_qwen3_prints_one_line(tmp_path):
     assert len(lines) == 1 and "pass model.path=/local/dir" in lines[0], run.stderr
 
 
+@pytest.mark.parametrize("config", ['{"model_type": "qwen3",', '{"model_type": "no_such_model"}'])
+def test_unreadable_target_config_is_one_sentence_before_any_folder(tmp_path, config):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(config)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "model=qwen3", f"model.path={target}"],
+        cwd=tmp_path,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"model.path={str(target)!r}" in lines[0] and "config.json" in lines[0], run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"], "a refused run leaves no folder"
+
+
 def test_mask_token_is_special_and_absent_from_chat(tiny):
     tok = tiny.tokenizer
     mask = choose_mask_token(tok, tiny.vocab_size)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dflash2.target.chat_template import render_chat
-from dflash2.target.locate import target_source
+from dflash2.target.locate import TargetNotFoundError, target_source
 
 DENSE_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,7 +48,14 @@ def load_target_config(model_cfg: Mapping[str, Any]) -> Any:
     from transformers import AutoConfig
 
     path, kwargs = target_source(model_cfg.get("path"), model_cfg.get("gguf_file"))
-    return AutoConfig.from_pretrained(path, **kwargs).get_text_config()
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:  # not JSON, or a model_type this transformers does not know
+        raise TargetNotFoundError(
+            f"model.path={model_cfg.get('path')!r}: its config.json cannot be read ({str(e).splitlines()[0]}); pass "
+            "model.path=/local/dir, a folder with the target's config.json and weights"
+        ) from None
+    return config.get_text_config()
 
 
 def dense_head_weight(model: nn.Module, hidden_size: int) -> torch.Tensor:
