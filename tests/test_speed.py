@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from test_evaluation import config as evaluate_config
 from test_evaluation import export_draft
 
+from dflash2.decoding.static import FastDecode
 from dflash2.evaluation import speed
 from dflash2.evaluation.run import acceptance_stats, evaluate
 from dflash2.testing import tiny_target, tiny_target_path
@@ -257,6 +258,23 @@ def test_results_of_another_bench_are_refused_in_one_line(tiny, tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_the_fast_path_is_costed_and_measured_on_both_sides(tmp_path, monkeypatch):
+    """decode=static: the costs and the measured runs both take the fixed-shape loops, with the target's own output."""
+    from dflash2.decoding import speculative
+
+    def plain(*args, **kwargs):
+        raise AssertionError("a plain loop ran under decode=static")
+
+    monkeypatch.setattr(speculative, "speculative_generate", plain)
+    monkeypatch.setattr(speculative, "target_generate", plain)
+    result = speed.run(config("drafter=pld", "block_size=4", "batch_sizes=[2]", "decode=static", f"output={tmp_path}"))
+    (row,) = result["rows"]
+    assert row["measured"]["identical_outputs"] == 1.0 and row["measured"]["tokens_per_s"] > 0
+    assert result["config"]["decode"] == "static" and result["costs"]["speculative"][0]["verify"] > 0
+    acceptance = json.loads((tmp_path / "acceptance" / "results.json").read_text())
+    assert acceptance["config"]["decode"] == "static"  # the acceptance run decodes on the same path
+
+
 def test_prompt_lookup_is_costed_and_predicted_without_measuring(tmp_path):
     result = speed.run(config("drafter=pld", "block_size=4", "batch_sizes=[2]", "measure=false", f"output={tmp_path}"))
     assert result["draft"]["name"] == "pld" and list(result["histograms"]) == ["4"]  # block 4 has no half >= 4
@@ -266,8 +284,10 @@ def test_prompt_lookup_is_costed_and_predicted_without_measuring(tmp_path):
     assert cost["block"] == 4 and cost["draft"] > 0  # the lookup itself, timed as the proposer
 
 
-def test_a_timing_run_times_its_steps_and_stops(tiny):
-    """`steps` steps are timed after the prefill's step; the decode stops at the next step's start, whatever budget."""
+@pytest.mark.parametrize("fast", [None, FastDecode()], ids=["plain", "static"])
+def test_a_timing_run_times_its_steps_and_stops(tiny, fast):
+    """`steps` steps are timed after the prefill's step; the decode stops at the next step's start, whatever budget.
+    On the fast path the prefill is a `forward` and every step a `decode_step` call, timed alike."""
     from dflash2.decoding.costs import speculative_run, target_run
     from dflash2.decoding.lookup import PromptLookup
 
@@ -289,14 +309,23 @@ def test_a_timing_run_times_its_steps_and_stops(tiny):
             calls["forward"] += 1
             return self.target.forward(*args, **kwargs)
 
+        def decode_step(self, mode=None):
+            step = self.target.decode_step(mode)
+
+            def counted(*args):
+                calls["forward"] += 1
+                return step(*args)
+
+            return counted
+
     token = dict(temperature=0.0, top_k=0, top_p=1.0)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
-    run = speculative_run(CountingTarget(tiny), Counting(), prompts, 4, token, steps=3, seed=0)
+    run = speculative_run(CountingTarget(tiny), Counting(), prompts, 4, token, steps=3, seed=0, fast=fast)
     assert {k: len(v) for k, v in run.items() if k != "prefill"} == {"forward": 3, "draft": 3, "other": 3}
     assert calls == {"propose": 4, "forward": 5}  # steps 0..3 proposed and verified, after the prompt's prefill
-    assert min(run["other"]) >= 0 and run["prefill"] > 0
+    assert min(run["other"]) >= 0 and run["prefill"] > 0 and min(run["forward"]) > 0
 
     calls.update(forward=0)
-    run = target_run(CountingTarget(tiny), prompts, token, steps=3, seed=0)
+    run = target_run(CountingTarget(tiny), prompts, token, steps=3, seed=0, fast=fast)
     assert {k: len(v) for k, v in run.items() if k != "prefill"} == {"forward": 3, "draft": 3, "other": 3}
     assert calls["forward"] == 5 and run["draft"] == [0.0] * 3  # the prefill, then steps 0..3

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
-from dflash2.decoding.speculative import Proposer, Sampling, speculative_generate, target_generate
+from dflash2.decoding import speculative, static
+from dflash2.decoding.speculative import Proposer, Sampling
+from dflash2.decoding.static import FastDecode
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +56,14 @@ class _Timed:
         self.last_start = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.fn, *args, **kwargs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, timed as one of this record's calls."""
         self.last_start = start = self.clock()
         if len(self.spans) == self.stop_at:
             raise _Enough
-        out = self.fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
         self.spans.append((start, self.clock()))
         return out
 
@@ -70,11 +76,16 @@ class _Timed:
 
 
 class TimedTarget:
-    """The target as the decode loops use it, with `forward` timed (every other attribute is the target's own)."""
+    """The target as the decode loops use it, with `forward` timed (every other attribute is the target's own); on
+    the fast path the prefill is a `forward` and each step a `decode_step`, timed as calls of the same record."""
 
     def __init__(self, target: Any, clock: Clock, stop_at: int) -> None:
         self._target = target
         self.forward = _Timed(target.forward, clock, stop_at)
+
+    def decode_step(self, mode: str | None = None) -> Callable[..., Any]:
+        step = self._target.decode_step(mode)
+        return functools.partial(self.forward.run, step)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
@@ -90,8 +101,8 @@ class TimedProposer:
     def slots(self, block_size: int) -> int:
         return self.proposer.slots(block_size)
 
-    def new_cache(self) -> Any:
-        return self.proposer.new_cache()
+    def new_cache(self, capacity: int | None = None) -> Any:
+        return self.proposer.new_cache(capacity)
 
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> Any:
         return self.proposer.pending(hidden, kept)
@@ -132,15 +143,26 @@ def medians(runs: list[dict]) -> dict[str, float]:
     return costs | {"step": sum(costs.values()), "prefill": statistics.median(run["prefill"] for run in runs)}
 
 
-def target_run(target: Any, prompts: list[list[int]], token: dict[str, float], steps: int, seed: int) -> dict:
-    """One timing run of the target alone on one batch (`prompts`); `medians` of runs are its costs."""
+def target_run(
+    target: Any,
+    prompts: list[list[int]],
+    token: dict[str, float],
+    steps: int,
+    seed: int,
+    fast: FastDecode | None = None,
+) -> dict:
+    """One timing run of the target alone on one batch (`prompts`), on the plain loop or the fast path (`fast`);
+    `medians` of runs are its costs."""
     sampling = Sampling(**token, batch_size=len(prompts))  # no stop ids: every row decodes every timed step
 
     def decode(clock: Clock) -> tuple[list[float], list[float], list[float]]:
         timed = TimedTarget(target, clock, stop_at=steps + 2)  # call 0 is the prefill, call k + 1 step k
         generator = torch.Generator(target.lm_head_weight.device).manual_seed(seed)
         try:
-            target_generate(timed, prompts, steps + 3, sampling, generator)
+            if fast is None:
+                speculative.target_generate(timed, prompts, steps + 3, sampling, generator)
+            else:
+                static.target_generate(timed, prompts, steps + 3, sampling, generator, fast=fast)
         except _Enough:
             pass
         return timed.forward.starts()[1:], timed.forward.durations()[1:], []
@@ -156,8 +178,10 @@ def speculative_run(
     token: dict[str, float],
     steps: int,
     seed: int,
+    fast: FastDecode | None = None,
 ) -> dict:
-    """One timing run of speculative decoding on one batch at `block_size`; `medians` of runs are its costs."""
+    """One timing run of speculative decoding on one batch at `block_size`, on the plain loop or the fast path
+    (`fast`); `medians` of runs are its costs."""
     sampling = Sampling(**token, batch_size=len(prompts))
     budget = (steps + 3) * block_size  # more than the timed steps can commit: no row finishes before the end
 
@@ -166,7 +190,11 @@ def speculative_run(
         timed = TimedProposer(proposer, clock, stop_at=steps + 1)  # call k is step k's draft
         generator = torch.Generator(target.lm_head_weight.device).manual_seed(seed)
         try:
-            speculative_generate(timed_target, timed, prompts, block_size, budget, sampling, generator=generator)
+            args = (timed_target, timed, prompts, block_size, budget, sampling)
+            if fast is None:
+                speculative.speculative_generate(*args, generator=generator)
+            else:
+                static.speculative_generate(*args, generator=generator, fast=fast)
         except _Enough:
             pass
         # The target's call 0 is the prompt's prefill, call k + 1 step k's verify.
@@ -185,17 +213,21 @@ def measure_costs(
     runs: int,
     warmup: int,
     seed: int,
+    fast: FastDecode | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """The target alone's costs at every batch (batch size -> its prompts) and speculative decoding's at every batch
-    and block size, in seconds, with the prompts' tokens (the context they ran at).
+    and block size, in seconds, with the prompts' tokens (the context they ran at), on the plain loops or the fast
+    path (`fast`, dflash2/decoding/static.py), as the measured decoding runs.
 
     Every setting first runs `warmup` untimed runs; then the timed runs go round the settings `runs` times, so that
     a spell of load on a shared machine touches every setting a little rather than one a lot."""
     jobs: dict[tuple[int, int | None], Callable[[], dict]] = {}
     for b, prompts in batches.items():
-        jobs[b, None] = functools.partial(target_run, target, prompts, token, steps, seed)
+        jobs[b, None] = functools.partial(target_run, target, prompts, token, steps, seed, fast)
         for block in block_sizes:
-            jobs[b, block] = functools.partial(speculative_run, target, proposer, prompts, block, token, steps, seed)
+            jobs[b, block] = functools.partial(
+                speculative_run, target, proposer, prompts, block, token, steps, seed, fast
+            )
     log.info("timing %d settings (the target alone and each block, at each batch size), %d runs each", len(jobs), runs)
     for job in jobs.values():
         for _ in range(warmup):

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dflash2.decoding import static as static_decode
 from dflash2.decoding.costs import measure_costs
 from dflash2.decoding.speculative import Drafter
 from dflash2.evaluation import checks
@@ -383,7 +384,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     token = {k: settings[k] for k in ("temperature", "top_k", "top_p")}
     timing = dict(steps=cfg.costs.steps, runs=cfg.costs.runs, warmup=int(bool(cfg.warmup)), seed=int(cfg.seed))
     batches = {b: fill(first_turns, b)[:b] for b in cfg.batch_sizes}  # the first prompts, cycled
-    costs = measure_costs(target, proposer, batches, blocks, token, **timing)  # first: the shapes warm up here
+    fast = static_decode.decode_mode(settings["decode"], settings["compile"], device)  # as the measured runs decode
+    costs = measure_costs(target, proposer, batches, blocks, token, **timing, fast=fast)  # first: shapes warm up here
     measured = {}
     if cfg.measure:
         turns = functools.partial(evaluation.generate_turns, chat_template_kwargs=chat_template_kwargs)
