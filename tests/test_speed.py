@@ -15,7 +15,7 @@ from test_evaluation import config as evaluate_config
 from test_evaluation import export_draft
 
 from dflash2.decoding.static import FastDecode
-from dflash2.evaluation import speed
+from dflash2.evaluation import speed, speed_model
 from dflash2.evaluation.run import acceptance_stats, evaluate
 from dflash2.testing import tiny_target, tiny_target_path
 
@@ -29,10 +29,10 @@ def test_expected_steps_by_hand():
     # K(1) = 1; K(2) = 1 + K(1)/4 = 1.25; K(3) = 1 + K(2)/4 + K(1)/4 = 1.5625;
     # K(4) = 1 + K(3)/4 + K(2)/4 + K(1)/2 = 1 + 0.390625 + 0.3125 + 0.5 = 2.203125
     hist = [1, 1, 2]
-    assert [speed.expected_steps(hist, m) for m in range(5)] == [0, 1, 1.25, 1.5625, 2.203125]
-    assert speed.expected_steps([7, 0, 0], 5) == 5  # one token per step
-    assert speed.expected_steps([0, 0, 3], 7) == 3  # three per step: 3, 6, then the cut last step
-    assert speed.tau_of(hist) == (1 + 2 + 6) / 4
+    assert [speed_model.expected_steps(hist, m) for m in range(5)] == [0, 1, 1.25, 1.5625, 2.203125]
+    assert speed_model.expected_steps([7, 0, 0], 5) == 5  # one token per step
+    assert speed_model.expected_steps([0, 0, 3], 7) == 3  # three per step: 3, 6, then the cut last step
+    assert speed_model.tau_of(hist) == (1 + 2 + 6) / 4
 
 
 def test_expected_steps_match_a_simulation(random_seed):
@@ -49,36 +49,36 @@ def test_expected_steps_match_a_simulation(random_seed):
         while committed < tokens:
             committed += rng.choices(range(1, len(hist) + 1), weights=hist)[0]
             total += 1
-    expected = speed.expected_steps(hist, tokens)
+    expected = speed_model.expected_steps(hist, tokens)
     assert total / draws == pytest.approx(expected, rel=0.03), (hist, tokens)
 
 
 def test_costs_between_batch_sizes_by_hand():
     table = {2: 14.0, 4: 22.0}
-    assert speed.at(table, 3) == 18.0  # halfway between 2 and 4
-    assert speed.at(table, 2) == 14.0 and speed.at(table, 1) == 14.0  # flat below the smallest measured size
-    assert speed.at(table, 0.25) == 0.25 * 14.0  # a fractional last step: a quarter of one row's step
-    assert speed.at(table, 0) == 0 and speed.at(table, 9) == 22.0
+    assert speed_model.at(table, 3) == 18.0  # halfway between 2 and 4
+    assert speed_model.at(table, 2) == 14.0 and speed_model.at(table, 1) == 14.0  # flat below the smallest size
+    assert speed_model.at(table, 0.25) == 0.25 * 14.0  # a fractional last step: a quarter of one row's step
+    assert speed_model.at(table, 0) == 0 and speed_model.at(table, 9) == 22.0
 
 
 def test_replies_are_batched_as_the_decode_batches_them():
     a, b, c = (5, 1.0), (2, 1.0), (3, 1.0)
     # Two prompts, the first with two turns: turn 0 decodes both, turn 1 the first prompt's second turn alone.
-    assert speed.request_batches([[a, b], [c]], 2) == [[a, c], [b]]
+    assert speed_model.request_batches([[a, b], [c]], 2) == [[a, c], [b]]
     # Batches of 3 cycle the prompts to fill them: [p0, p1, p0].
-    assert speed.request_batches([[a, b], [c]], 3) == [[a, c, a], [b, b]]
-    assert speed.fill([1, 2, 3], 2) == [1, 2, 3, 1] and speed.fill([1, 2], 2) == [1, 2]
+    assert speed_model.request_batches([[a, b], [c]], 3) == [[a, c, a], [b, b]]
+    assert speed_model.fill([1, 2, 3], 2) == [1, 2, 3, 1] and speed_model.fill([1, 2], 2) == [1, 2]
 
 
 def test_predictions_by_hand():
     """Hand-made costs (ms) at block 3 and two replies, their tokens and mean steps K from the recursion above:
     A = 5 tokens with K(4) = 2.203125, B = 2 tokens whose every step committed 1 (K(1) = 1)."""
-    a, b = (5, speed.expected_steps([1, 1, 2], 4)), (2, speed.expected_steps([1, 0, 0], 1))
+    a, b = (5, speed_model.expected_steps([1, 1, 2], 4)), (2, speed_model.expected_steps([1, 0, 0], 1))
     spec = {1: {"step": 10 * MS, "prefill": 3 * MS}, 2: {"step": 14 * MS, "prefill": 4 * MS}}
     target = {1: {"step": 5 * MS, "prefill": 3 * MS}, 2: {"step": 6 * MS, "prefill": 4 * MS}}
 
     # Batch 1, reply A alone: T = 3 + 10 + 10 + 0.203125 * 10 = 25.03125 ms; the target alone 3 + 4 * 5 = 23 ms.
-    got = speed.predict([[a]], 1, 2.25, spec, target)
+    got = speed_model.predict([[a]], 1, 2.25, spec, target)
     assert got["tokens_per_s"] == pytest.approx(5 / 25.03125e-3)
     assert got["target_tokens_per_s"] == pytest.approx(5 / 23e-3)
     assert got["speedup"] == pytest.approx(23 / 25.03125)
@@ -86,18 +86,26 @@ def test_predictions_by_hand():
 
     # Batch 2, A and B together: live rows 2, 1 (B is done after one step), then A's fractional 0.203125:
     # T = 4 + 14 + 10 + 0.203125 * 10 = 30.03125 ms; the target alone runs both rows to A's end: 4 + 4 * 6 = 28 ms.
-    got = speed.predict([[a], [b]], 2, 2.0, spec, target)
+    got = speed_model.predict([[a], [b]], 2, 2.0, spec, target)
     assert got["tokens_per_s"] == pytest.approx(7 / 30.03125e-3)
     assert got["target_tokens_per_s"] == pytest.approx(7 / 28e-3)
     assert got["speedup"] == pytest.approx(28 / 30.03125)
     assert got["speedup_steady"] == pytest.approx(2.0 * 6 / 14)
+
+    # The fast path keeps B's row to the batch's end: K = 2.203125 full steps, T = 4 + 2.203125 * 14 = 34.84375 ms.
+    got = speed_model.predict([[a], [b]], 2, 2.0, spec, target, static=True)
+    assert got["tokens_per_s"] == pytest.approx(7 / 34.84375e-3)
+    assert got["target_tokens_per_s"] == pytest.approx(7 / 28e-3)
+    # A second turn of A alone is a short batch, padded to 2 rows there: 4 + 2.203125 * 14 against 4 + 4 * 6.
+    got = speed_model.predict([[a, a], [b]], 2, 2.0, spec, target, static=True)
+    assert got["speedup"] == pytest.approx((28 + 28) / (34.84375 + 34.84375))
 
     # Batch 3 with costs measured at 2 and 4 (interpolated at 3): the prompts cycle to [A, B, A].
     spec = {2: {"step": 14 * MS, "prefill": 4 * MS}, 4: {"step": 22 * MS, "prefill": 8 * MS}}
     target = {2: {"step": 6 * MS, "prefill": 4 * MS}, 4: {"step": 8 * MS, "prefill": 6 * MS}}
     # live rows 3, 2, 2 * 0.203125 = 0.40625, whose step costs 0.40625 * s(1) = 0.40625 * 14 (flat below 2):
     # T = 6 + 18 + 14 + 5.6875 = 43.6875 ms; the target alone 5 + 4 * 7 = 33 ms; tokens 5 + 2 + 5 = 12.
-    got = speed.predict([[a], [b]], 3, 2.0, spec, target)
+    got = speed_model.predict([[a], [b]], 3, 2.0, spec, target)
     assert got["tokens_per_s"] == pytest.approx(12 / 43.6875e-3)
     assert got["target_tokens_per_s"] == pytest.approx(12 / 33e-3)
     assert got["speedup_steady"] == pytest.approx(2.0 * 7 / 18)
@@ -106,16 +114,16 @@ def test_predictions_by_hand():
 def test_truncation_by_hand():
     # At B = 4, 5 steps committed 1, 3 committed 2, 2 committed 3, 4 committed 4.
     hist = [5, 3, 2, 4]
-    assert speed.truncate(hist, 4) == hist
-    assert speed.truncate(hist, 3) == [5, 3, 2 + 4]  # 3 and 4 both commit 3 in a block of 3
-    assert speed.truncate(hist, 2) == [5, 3 + 2 + 4]
-    assert speed.tau_of(speed.truncate(hist, 2)) == pytest.approx((5 * 1 + 9 * 2) / 14)
+    assert speed_model.truncate(hist, 4) == hist
+    assert speed_model.truncate(hist, 3) == [5, 3, 2 + 4]  # 3 and 4 both commit 3 in a block of 3
+    assert speed_model.truncate(hist, 2) == [5, 3 + 2 + 4]
+    assert speed_model.tau_of(speed_model.truncate(hist, 2)) == pytest.approx((5 * 1 + 9 * 2) / 14)
     # The same from the steps themselves: min(n, B') of each.
     lengths = [1] * 5 + [2] * 3 + [3] * 2 + [4] * 4
     random.shuffle(lengths)
-    assert speed.truncate(hist, 3) == acceptance_stats([[min(n, 3) for n in lengths]], 3)["accept_hist"]
+    assert speed_model.truncate(hist, 3) == acceptance_stats([[min(n, 3) for n in lengths]], 3)["accept_hist"]
     with pytest.raises(ValueError, match="2..4"):
-        speed.truncate(hist, 5)
+        speed_model.truncate(hist, 5)
 
 
 # ---------------------------------------------------------------------------------------------- the command
