@@ -542,3 +542,26 @@ def test_evaluation_and_regeneration_import_no_lightning():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+def test_a_graph_compiled_inside_a_timed_pass_is_reported(tiny, monkeypatch, caplog):
+    """A timed pass that compiles (a shape the warm-up did not cover) says so; one that compiles nothing is quiet."""
+    from torch._dynamo.utils import counters
+
+    from dflash2.decoding.speculative import Generation
+    from dflash2.evaluation import run as evaluation
+
+    compiles = []
+
+    def decode(target, draft, prompt_ids, settings, generator, on_commit=None):
+        counters["stats"]["unique_graphs"] += compiles.pop() if compiles else 0
+        return [Generation([5], []) for _ in prompt_ids]
+
+    monkeypatch.setattr(evaluation, "decode", decode)
+    prompts = [{"id": "a", "turns": ["Hi."]}]
+    settings = dict(max_new_tokens=4)
+    for built, warned in ((0, False), (2, True)):
+        caplog.clear()
+        compiles.append(built)
+        evaluation.generate_turns(tiny, None, prompts, settings, True, torch.Generator(), warmup=False)
+        assert ("2 graph(s) compiled inside the timed pass" in caplog.text) is warned

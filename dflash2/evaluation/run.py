@@ -26,7 +26,14 @@ from dflash2.decoding.speculative import Generation, OnCommit, Sampling, specula
 from dflash2.evaluation.checks import PLD, check_drafter, check_settings, prompt_lookup
 from dflash2.evaluation.copy_gap import copy_gap, replayable
 from dflash2.evaluation.report import format_table, log_wandb
-from dflash2.evaluation.timing import baseline_speed, clock, speed, timed_passes
+from dflash2.evaluation.timing import (
+    baseline_speed,
+    clock,
+    graphs_compiled,
+    speed,
+    timed_passes,
+    warn_compiles_in_pass,
+)
 from dflash2.groups import build
 from dflash2.model import kernels
 from dflash2.model.config import DFlash2Config
@@ -201,6 +208,7 @@ def generate_turns(
         decode(target, draft, [first], dict(settings, max_new_tokens=16), spare)
     requests = sum(min(len(p["turns"]), n_turns) for p in prompts)
     progress = DecodeProgress(requests, "decode" if draft is not None else "target alone")
+    compiled = graphs_compiled()
     for turn in range(n_turns):
         todo = [i for i, p in enumerate(prompts) if turn < len(p["turns"])]
         for i in todo:
@@ -214,6 +222,7 @@ def generate_turns(
             conversations[i].append({"role": "assistant", "content": answer})
             samples.append(_sample(prompts[i]["id"], turn, ids, out))
     progress.close()
+    warn_compiles_in_pass(compiled, "decode" if draft is not None else "target alone")
     return samples, seconds
 
 

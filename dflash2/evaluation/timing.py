@@ -24,6 +24,23 @@ def clock(target: Any) -> float:
     return time.perf_counter()
 
 
+def graphs_compiled() -> int:
+    """Graphs torch.compile has built in this process so far (its dynamo counter); 0 when nothing was compiled."""
+    from torch._dynamo.utils import counters  # torch's own counter of compiled graphs
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def warn_compiles_in_pass(before: int, what: str) -> None:
+    """Warn when a timed pass compiled graphs: shapes the warm-up did not cover, whose compile time its tokens/s
+    counts (decode=static compile=true specialises every step to its shape)."""
+    built = graphs_compiled() - before
+    if built:
+        log.warning(
+            "%s: %d graph(s) compiled inside the timed pass; its tokens/s includes their compile time", what, built
+        )
+
+
 def warmup(cfg: DictConfig, pass_index: int) -> bool:
     return bool(cfg.warmup) and pass_index == 0  # one-off costs are paid once, before the first timed pass
 
