@@ -8,7 +8,8 @@ selector, dflash2/model/selector.py) and the rest, the loop's own host work and 
 A drafter (an export folder; --small: a random DFlash2 drafter of the tiny target, conv and selector on) decodes the
 first --batch prompts of --bench (--small: random prompts) for --tokens new tokens each (no stop token), greedy, through
 `speculative_generate` as evaluate.py runs it: the plain loop, the fast one eager, and the fast one with the target's
-steps compiled (--compile; default reduce-overhead, i.e. CUDA graphs, on a GPU, none on a CPU). Each path decodes
+and the drafter's steps compiled (--compile; default reduce-overhead, i.e. CUDA graphs, on a GPU, none on a CPU; the
+conv inside the compiled drafter is then counted in `draft`). Each path decodes
 once untimed (compiling), once counting the waits for the device (torch.cuda.set_sync_debug_mode, GPU only), then
 once timed. The parts are wrapped from outside the loop: `verify`, the target's forward of the block; `conv_selector`,
 DFlash2's heads: the conv's prepare/finish and the selector's candidates, lattice and walk, less the head matmul its
@@ -104,12 +105,15 @@ class Ranges:
 
 
 @contextlib.contextmanager
-def instrumented(target: Any, draft: DFlash2DraftModel, ranges: Ranges, fast: bool) -> Iterator[None]:
+def instrumented(
+    target: Any, draft: DFlash2DraftModel, ranges: Ranges, fast: bool, compiled: bool = False
+) -> Iterator[None]:
     """The parts wrapped, their attributes restored afterwards: the drafter's whole step (`Drafter.__call__`: its
     forward, the head, the selector or sampling), the conv and the selector inside it, the head matmul (speculative's
     and the selector's `head_logits`), and the verify. On the plain path the verify is `target.forward` (the prefill,
     which passes logits_at, is left out); on the fast path it is the step `target.decode_step` returns, wrapped
-    outside the compiled function, which must not trace the timers."""
+    outside the compiled function, which must not trace the timers. `compiled`: the drafter's forward is compiled too,
+    so the conv inside it is not wrapped (its time counts as the draft's)."""
     patched: list[tuple[Any, str, Any, bool]] = []
 
     def patch(obj: Any, attr: str, value: Any) -> None:
@@ -132,7 +136,7 @@ def instrumented(target: Any, draft: DFlash2DraftModel, ranges: Ranges, fast: bo
     patch(speculative.Drafter, "__call__", ranges.wrap(speculative.Drafter.__call__, "drafter"))
     for module in (speculative, selector_module):
         patch(module, "head_logits", ranges.wrap(module.head_logits, "head"))
-    for layer in draft.layers:
+    for layer in [] if compiled else draft.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
             if conv is not None:
                 patch(conv, "prepare", ranges.wrap(conv.prepare, "conv"))
@@ -197,7 +201,7 @@ def profile_path(target: Any, draft: DFlash2DraftModel, prompts: list[list[int]]
     compiled = path["fast"].compile if path["fast"] is not None else None
 
     def run(ranges: Ranges) -> Any:
-        with instrumented(target, draft, ranges, fast=path["fast"] is not None):
+        with instrumented(target, draft, ranges, fast=path["fast"] is not None, compiled=compiled is not None):
             return decode(target, draft, prompts, args.tokens, args.block_size, path)
 
     run(Ranges(cuda))  # compiles, captures, allocates

@@ -27,10 +27,12 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from dflash2.model import kernels
 from dflash2.model.config import in_window
 from dflash2.model.contract import check_block_size
 from dflash2.model.drafter import DFlash2DraftModel, DraftCache, StaticDraftCache
 from dflash2.model.selector import head_logits
+from dflash2.target.model import CUDA_GRAPH_MODES
 
 
 @dataclasses.dataclass
@@ -233,24 +235,28 @@ class Rows:
     features: torch.Tensor | None
     tokens: torch.Tensor  # [b, capacity] the committed tokens without holes: tokens[:, :lengths], the anchor, junk
     live: torch.Tensor | None = None  # indices of the rows still decoding, where finished ones stay; None = every row
+    # [b, c] the positions of the features' slots; None = the last c of `positions` (the fast path's buffers run on)
+    context_positions: torch.Tensor | None = None
 
     def select(self, keep: torch.Tensor) -> Rows:
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
         return Rows(*(None if v is None else v[keep] for v in values))
 
 
-def draft_mask(draft: DFlash2DraftModel, rows: Rows, block_size: int) -> torch.Tensor | dict:
-    """Bool [b, 1, B, slots + B]: the block sees every committed context slot and all of itself; on sliding
-    layers slot k sees the context positions p with (anchor + k) - p < sliding_window (the window counted from
-    each query's own position, as the engines count it)."""
-    valid = rows.key_mask.bool()
+def draft_mask(
+    draft: DFlash2DraftModel, key_mask: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor | dict:
+    """Bool [b, 1, B, slots + B] (`Rows`' key_mask, lengths and positions): the block sees every committed context
+    slot and all of itself; on sliding layers slot k sees the context positions p with (anchor + k) - p <
+    sliding_window (the window counted from each query's own position, as the engines count it)."""
+    valid = key_mask.bool()
     ones = valid.new_ones(valid.shape[0], block_size, block_size)
 
     def build(window: int | None) -> torch.Tensor:
         seen = valid[:, None].expand(-1, block_size, -1)
         if window is not None:
-            query = rows.lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
-            seen = seen & in_window(query[:, :, None], rows.positions[:, None], window)
+            query = lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
+            seen = seen & in_window(query[:, :, None], positions[:, None], window)
         return torch.cat([seen, ones], -1)[:, None]
 
     return draft.config.attention_masks(build)
@@ -346,12 +352,38 @@ class Proposer(Protocol):
         ...
 
 
+def draft_forward(
+    draft: DFlash2DraftModel,
+    block_embeds: torch.Tensor,
+    block_positions: torch.Tensor,
+    features: torch.Tensor,
+    context_positions: torch.Tensor,
+    key_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    positions: torch.Tensor,
+    cache: DraftCache,
+) -> torch.Tensor:
+    """One draft step's forward: the target features of the slots just verified into the drafter's cache, then the
+    block `[anchor, MASK, ...]` over that context -> norm(h) [b, B, H]."""
+    block_size = block_positions.shape[1]
+    mask = draft_mask(draft, key_mask, lengths, positions, block_size)
+    context = draft.fuse(features)
+    return draft(block_embeds, block_positions, context, context_positions, mask, cache=cache, block_size=block_size)
+
+
+_compiled_forwards: dict[str, Callable[..., torch.Tensor]] = {}  # torch.compile mode -> draft_forward compiled
+
+
 class Drafter:
     """A DFlash2 drafter as the loop's proposer: the target features of the newly committed slots go into its
-    cache, then one forward over `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`propose`)."""
+    cache, then one forward over `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`propose`).
 
-    def __init__(self, target: Any, draft: DFlash2DraftModel, use_selector: bool) -> None:
-        self.target, self.draft, self.use_selector = target, draft, use_selector
+    `compile` (a torch.compile mode, the fast path's): the forward of every step whose shapes repeat, a verify
+    block's features into a `StaticDraftCache` already allocated, runs compiled (CUDA graphs with reduce-overhead),
+    the grouped conv on its PyTorch reference, which the compiler fuses; the first step after a prefill stays eager."""
+
+    def __init__(self, target: Any, draft: DFlash2DraftModel, use_selector: bool, compile: str | None = None) -> None:
+        self.target, self.draft, self.use_selector, self.compile = target, draft, use_selector, compile
 
     def slots(self, block_size: int) -> int:
         return block_size - 1  # one forward proposes every slot, at any block size
@@ -363,6 +395,21 @@ class Drafter:
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """What the next draft forward takes in: the target features of the slots just verified."""
         return only_kept(hidden, kept)
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        """`draft_forward(draft, *inputs)`, compiled where the step's shapes repeat (`compile`)."""
+        features, cache = inputs[2], inputs[-1]
+        steady = isinstance(cache, StaticDraftCache) and cache.allocated and features.shape[1] == inputs[1].shape[1]
+        if self.compile is None or not steady:
+            return draft_forward(self.draft, *inputs)
+        if self.compile not in _compiled_forwards:
+            _compiled_forwards[self.compile] = torch.compile(
+                draft_forward, mode=self.compile, dynamic=False, fullgraph=True
+            )
+        if self.compile in CUDA_GRAPH_MODES:
+            torch.compiler.cudagraph_mark_step_begin()
+        with kernels.backend("torch"):
+            return _compiled_forwards[self.compile](self.draft, *inputs)
 
     def __call__(
         self,
@@ -376,14 +423,18 @@ class Drafter:
         masks = torch.full_like(block_positions[:, 1:], draft.config.mask_token_id)
         block_ids = torch.cat([rows.anchor[:, None], masks], -1)
         c = rows.features.shape[1]
-        hidden = draft(
+        context_positions = rows.positions[:, -c:] if rows.context_positions is None else rows.context_positions
+        if isinstance(draft_cache, StaticDraftCache):
+            draft_cache.reserve(c, block_ids.device)
+        hidden = self.forward(
             target.embed_tokens(block_ids),
             block_positions,
-            draft.fuse(rows.features),
-            rows.positions[:, -c:],
-            attention_mask=draft_mask(draft, rows, block_positions.shape[1]),
-            cache=draft_cache,
-            block_size=block_positions.shape[1],
+            rows.features,
+            context_positions,
+            rows.key_mask,
+            rows.lengths,
+            rows.positions,
+            draft_cache,
         )
         return propose(
             draft,
@@ -416,14 +467,19 @@ class Sampling:
 
 
 def run_proposer(
-    target: Any, draft: DFlash2DraftModel | Proposer, block_size: int, max_new_tokens: int, use_selector: bool
+    target: Any,
+    draft: DFlash2DraftModel | Proposer,
+    block_size: int,
+    max_new_tokens: int,
+    use_selector: bool,
+    compile: str | None = None,
 ) -> Proposer:
-    """The proposer of a run, its settings checked before the first batch (a block too small for the lookup's
-    num_tokens fails now)."""
+    """The proposer of a run (a drafter's steps compiled under `compile`, the fast path's), its settings checked
+    before the first batch (a block too small for the lookup's num_tokens fails now)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be >= 1")
     check_block_size(block_size)
-    proposer = Drafter(target, draft, use_selector) if isinstance(draft, DFlash2DraftModel) else draft
+    proposer = Drafter(target, draft, use_selector, compile) if isinstance(draft, DFlash2DraftModel) else draft
     proposer.slots(block_size)
     return proposer
 

@@ -1,12 +1,12 @@
 """The fast decode path (`decode=static`): the two decoders of dflash2/decoding/speculative.py on fixed-capacity caches,
-with fixed shapes, the target's steps optionally under torch.compile (CUDA graphs with reduce-overhead). Same tokens,
-same accept lengths, same random draws as the plain loops, which stay the reference.
+with fixed shapes, the target's and the drafter's steps optionally under torch.compile (CUDA graphs with
+reduce-overhead). Same tokens, same accept lengths, same random draws as the plain loops, which stay the reference.
 
 What changes, and why it changes no result:
 - The target's KV cache is a `TargetStaticCache`, the drafter's context cache a `StaticDraftCache`, and the key mask
   and positions of the slots are buffers of the same `capacity` slots per row (dflash2/target/static_cache.py),
-  written at one pointer: every row appends the same slots per step. The target attends over the whole capacity, the
-  slots past the pointer masked; a masked key gets exactly zero weight, as the plain loop's holes do.
+  written at one pointer: every row appends the same slots per step. The target and the drafter attend over the whole
+  capacity, the slots past the pointer masked; a masked key gets exactly zero weight, as the plain loop's holes do.
 - `compact` drops the masked slots, by a gather within the same buffers, when the next block would not fit. The plain
   loop compacts once they outnumber the kept ones, because its cache's cost grows with them; a fixed cache costs its
   whole capacity at every step whatever it holds, so here compaction is only ever needed for room.
@@ -57,8 +57,9 @@ SPARE_BLOCKS = 8
 
 @dataclasses.dataclass(frozen=True)
 class FastDecode:
-    """The fast path's settings: `compile`, the torch.compile mode of the target's decode steps (None = eager), and
-    `capacity`, the slots per row (None = what a call needs, rounded up to CAPACITY_STEP)."""
+    """The fast path's settings: `compile`, the torch.compile mode of the target's and the drafter's decode steps
+    (None = eager; `speculative.Drafter` says which of the drafter's steps), and `capacity`, the slots per row (None =
+    what a call needs, rounded up to CAPACITY_STEP)."""
 
     compile: str | None = None
     capacity: int | None = None
@@ -174,10 +175,10 @@ def speculative_generate(
     on_commit: OnCommit | None = None,
     fast: FastDecode = FastDecode(),
 ) -> list[Generation]:
-    """speculative.speculative_generate on the fast path (same arguments, same results), its target's verify step
-    compiled under `fast.compile`."""
+    """speculative.speculative_generate on the fast path (same arguments, same results), its target's verify step and
+    its drafter's steady steps compiled under `fast.compile`."""
     sampling = sampling or Sampling()
-    proposer = run_proposer(target, draft, block_size, max_new_tokens, use_selector)
+    proposer = run_proposer(target, draft, block_size, max_new_tokens, use_selector, fast.compile)
     generator = generator or torch.Generator(device=target.lm_head_weight.device).manual_seed(0)
     capacity = fast.capacity_for(prompts_ids, max_new_tokens, block_size)
     step = target.decode_step(fast.compile)
@@ -227,7 +228,9 @@ def decode_batch(
             if end + block_size > capacity:
                 raise RuntimeError(f"the static capacity of {capacity} slots is full even after compaction")
 
-        state = Rows(key_mask[:, :end], positions[:, :end], lengths, anchor, features, tokens, live)
+        # The whole buffers: the drafter attends over the capacity, as the target does (its cache is static too).
+        context = None if features is None else positions[:, end - features.shape[1] : end]
+        state = Rows(key_mask, positions, lengths, anchor, features, tokens, live, context)
         block_positions = lengths[:, None] + offsets
         proposals, q = proposer(state, block_positions, draft_cache, temperature=temperature, generator=generator)
 

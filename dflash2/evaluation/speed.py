@@ -263,11 +263,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         evaluation.render(target.tokenizer, [{"role": "user", "content": p["turns"][0]}], chat_template_kwargs)
         for p in prompts
     ]
-    proposer = Drafter(target, draft, use_selector) if isinstance(draft, DFlash2DraftModel) else draft
     token = {k: settings[k] for k in ("temperature", "top_k", "top_p")}
     timing = dict(steps=cfg.costs.steps, runs=cfg.costs.runs, warmup=int(bool(cfg.warmup)), seed=int(cfg.seed))
     batches = {b: fill(first_turns, b)[:b] for b in cfg.batch_sizes}  # the first prompts, cycled
     fast = static_decode.decode_mode(settings["decode"], settings["compile"], device)  # as the measured runs decode
+    compiled = None if fast is None else fast.compile
+    proposer = Drafter(target, draft, use_selector, compiled) if isinstance(draft, DFlash2DraftModel) else draft
     costs = measure_costs(target, proposer, batches, blocks, token, **timing, fast=fast)  # first: shapes warm up here
     measured = {}
     if cfg.measure:

@@ -114,35 +114,52 @@ def take_slots_(buffer: torch.Tensor, index: torch.Tensor, dim: int) -> None:
 
 class StaticDraftCache(DraftCache):
     """The drafter's context cache (`DraftCache`) in buffers of `capacity` slots per row and layer, allocated at the
-    first update. `keys[layer]` / `values[layer]` are views of the slots written so far, so a draft step attends over
-    the context it holds, with no copy of the cache: DraftCache concatenates the whole cache at every step."""
+    first update and written in place at a pointer: `reserve(c)` claims the next c slots for the forward that follows,
+    whose every layer writes its context keys/values there. A step attends over the whole capacity, the slots past the
+    pointer masked, as the target's static cache does: shapes and addresses stay fixed from step to step, which a
+    compiled step (and a CUDA graph) needs, and no step copies the cache (DraftCache concatenates it)."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         super().__init__(num_layers)
-        self.capacity = capacity
+        self.capacity, self.slots = capacity, 0
         self.buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.write_index: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.slots
+
+    @property
+    def allocated(self) -> bool:
+        return all(b is not None for b in self.buffers)
+
+    def reserve(self, count: int, device: torch.device) -> None:
+        """The next forward writes slots [length, length + count) of every row; the pointer moves past them."""
+        if self.slots + count > self.capacity:
+            needed = self.slots + count
+            raise RuntimeError(f"the drafter's static cache holds {self.capacity} slots; {needed} were asked for")
+        self.write_index = torch.arange(self.slots, self.slots + count, device=device)
+        self.slots += count
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.buffers[layer] is None:
             shape = (*k.shape[:2], self.capacity, k.shape[3])
-            self.buffers[layer] = (k.new_zeros(shape), v.new_zeros(shape))
-        start = 0 if self.keys[layer] is None else self.keys[layer].shape[2]
-        end = start + k.shape[2]
-        if end > self.capacity:
-            raise RuntimeError(f"the drafter's static cache holds {self.capacity} slots; {end} were asked for")
+            keys, values = k.new_zeros(shape), v.new_zeros(shape)
+            for buffer in (keys, values):  # a compiled step mutates them in place: CUDA graphs need their addresses
+                torch._dynamo.mark_static_address(buffer)
+            self.buffers[layer] = self.keys[layer], self.values[layer] = keys, values
         keys, values = self.buffers[layer]
-        keys[:, :, start:end], values[:, :, start:end] = k, v
-        self.keys[layer], self.values[layer] = keys[:, :, :end], values[:, :, :end]
-        return self.keys[layer], self.values[layer]
+        keys.index_copy_(2, self.write_index, k)
+        values.index_copy_(2, self.write_index, v)
+        return keys, values
 
     def keep(self, index: torch.Tensor) -> None:
         """Make each row's slots `index[row]` ([b, n], in that order) its first n, and n the slots it holds."""
-        n = index.shape[1]
-        for layer, buffers in enumerate(self.buffers):
+        for buffers in self.buffers:
             if buffers is not None:
                 for buffer in buffers:
                     take_slots_(buffer, index, 2)
-                self.keys[layer], self.values[layer] = buffers[0][:, :, :n], buffers[1][:, :, :n]
+        self.slots = index.shape[1]
 
 
 class Attention(nn.Module):
