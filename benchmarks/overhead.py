@@ -276,7 +276,7 @@ def draft_hidden(draft: DFlash2DraftModel, target: VerifyDecoder, x: DraftInputs
 
 
 def draft_step(draft: DFlash2DraftModel, target: VerifyDecoder, x: DraftInputs) -> torch.Tensor:
-    """One greedy draft step -> proposals [b, B-1]: the calls of speculative.propose, with the walk's random
+    """One greedy draft step -> proposals [b, B-1]: the calls of distributions.propose, with the walk's random
     inputs made up front (propose draws them from a torch.Generator, which a capture would have to register)."""
     hidden = draft_hidden(draft, target, x)
     selector = draft.candidate_selector

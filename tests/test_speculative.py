@@ -6,6 +6,7 @@ from fresh_forward import fresh_block_output
 from scipy.stats import chisquare
 
 from dflash2 import DFlash2DraftModel
+from dflash2.decoding import distributions
 from dflash2.decoding import speculative as spec
 from dflash2.decoding.lookup import PromptLookup
 from dflash2.model import kernels
@@ -373,7 +374,7 @@ def test_verify_resamples_to_the_target_distribution():
     p = torch.softmax(logits[0, 0], -1)
 
     def first_tokens(q_used):
-        accepted, bonus = spec.verify(logits, drafted, q_used, 1.0, 0, 1.0, g)
+        accepted, bonus = distributions.verify(logits, drafted, q_used, 1.0, 0, 1.0, g)
         return torch.where(accepted == 1, drafted[:, 0], bonus)
 
     expected = (p.double() / p.double().sum() * rows).numpy()
@@ -462,12 +463,12 @@ def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k,
 
     assert pvalue() > 1e-3
     if kind == "pld":  # lookups claimed to be drawn from a uniform q instead of their point masses must be caught
-        monkeypatch.setattr(spec, "point_mass", lambda d, v: torch.full((*d.shape, v), 1 / v))
+        monkeypatch.setattr(distributions, "point_mass", lambda d, v: torch.full((*d.shape, v), 1 / v))
         assert pvalue() < 1e-6
     if kind == "dflash2":  # the same run with the q a greedy walk reports (one-hot) must be caught
-        real = spec.selector_q
+        real = distributions.selector_q
         monkeypatch.setattr(
-            spec,
+            distributions,
             "selector_q",
             lambda c, q, v: real(c, torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).float(), v),
         )

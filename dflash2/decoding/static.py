@@ -11,7 +11,7 @@ What changes, and why it changes no result:
   loop compacts once they outnumber the kept ones, because its cache's cost grows with them; a fixed cache costs its
   whole capacity at every step whatever it holds, so here compaction is only ever needed for room.
 - A batch keeps its rows to its end. A finished row stays, masked: its new slots are masked, its position stops and it
-  draws no random numbers (`live`, speculative.sample), so every other row computes and draws exactly what it does
+  draws no random numbers (`live`, distributions.sample), so every other row computes and draws exactly what it does
   in the plain loop, whose batch shrinks instead. A shrinking batch would give each row count its own shapes: the
   static buffers pin the shapes a compiled step is specialised to, so each count would be a compile (and a CUDA graph)
   of its own. Finished rows cost their share of each step until the batch's longest request ends. Every batch has
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash2.decoding.distributions import first_token, verify
 from dflash2.decoding.speculative import (
     Generation,
     OnCommit,
@@ -38,10 +39,8 @@ from dflash2.decoding.speculative import (
     Rows,
     Sampling,
     committed,
-    first_token,
     pad_right,
     run_proposer,
-    verify,
 )
 from dflash2.model.drafter import DFlash2DraftModel, take_slots_
 from dflash2.target.model import COMPILE_MODES
