@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dflash2.decoding import speculative, static
+from dflash2.decoding import static
 from dflash2.decoding.speculative import Proposer, Sampling
 from dflash2.decoding.static import FastDecode
 
@@ -159,10 +159,7 @@ def target_run(
         timed = TimedTarget(target, clock, stop_at=steps + 2)  # call 0 is the prefill, call k + 1 step k
         generator = torch.Generator(target.lm_head_weight.device).manual_seed(seed)
         try:
-            if fast is None:
-                speculative.target_generate(timed, prompts, steps + 3, sampling, generator)
-            else:
-                static.target_generate(timed, prompts, steps + 3, sampling, generator, fast=fast)
+            static.decoders(fast)[1](timed, prompts, steps + 3, sampling, generator)
         except _Enough:
             pass
         return timed.forward.starts()[1:], timed.forward.durations()[1:], []
@@ -190,11 +187,8 @@ def speculative_run(
         timed = TimedProposer(proposer, clock, stop_at=steps + 1)  # call k is step k's draft
         generator = torch.Generator(target.lm_head_weight.device).manual_seed(seed)
         try:
-            args = (timed_target, timed, prompts, block_size, budget, sampling)
-            if fast is None:
-                speculative.speculative_generate(*args, generator=generator)
-            else:
-                static.speculative_generate(*args, generator=generator, fast=fast)
+            generate = static.decoders(fast)[0]
+            generate(timed_target, timed, prompts, block_size, budget, sampling, generator=generator)
         except _Enough:
             pass
         # The target's call 0 is the prompt's prefill, call k + 1 step k's verify.

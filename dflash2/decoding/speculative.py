@@ -32,7 +32,7 @@ from dflash2.model import kernels
 from dflash2.model.config import in_window
 from dflash2.model.contract import check_block_size
 from dflash2.model.drafter import DFlash2DraftModel, DraftCache, StaticDraftCache
-from dflash2.target.model import CUDA_GRAPH_MODES
+from dflash2.target.model import compiled_step
 
 
 @dataclasses.dataclass
@@ -246,6 +246,11 @@ def draft_forward(
 _compiled_forwards: dict[str, Callable[..., torch.Tensor]] = {}  # torch.compile mode -> draft_forward compiled
 
 
+def _on_reference_kernels(step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    with kernels.backend("torch"):
+        return step(*args)
+
+
 class Drafter:
     """A DFlash2 drafter as the loop's proposer: the target features of the newly committed slots go into its
     cache, then one forward over `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`propose`).
@@ -268,20 +273,15 @@ class Drafter:
         """What the next draft forward takes in: the target features of the slots just verified."""
         return only_kept(hidden, kept)
 
-    def forward(self, *inputs: Any) -> torch.Tensor:
-        """`draft_forward(draft, *inputs)`, compiled where the step's shapes repeat (`compile`)."""
-        features, cache = inputs[2], inputs[-1]
-        steady = isinstance(cache, StaticDraftCache) and cache.allocated and features.shape[1] == inputs[1].shape[1]
+    def forward(self, steady: bool) -> Callable[..., torch.Tensor]:
+        """`draft_forward`, compiled (`compile`) for a step whose shapes repeat (`steady`), with the grouped conv on
+        its PyTorch reference, which the compiler fuses."""
         if self.compile is None or not steady:
-            return draft_forward(self.draft, *inputs)
+            return draft_forward
         if self.compile not in _compiled_forwards:
-            _compiled_forwards[self.compile] = torch.compile(
-                draft_forward, mode=self.compile, dynamic=False, fullgraph=True
-            )
-        if self.compile in CUDA_GRAPH_MODES:
-            torch.compiler.cudagraph_mark_step_begin()
-        with kernels.backend("torch"):
-            return _compiled_forwards[self.compile](self.draft, *inputs)
+            step = compiled_step(draft_forward, self.compile)
+            _compiled_forwards[self.compile] = lambda *args: _on_reference_kernels(step, *args)
+        return _compiled_forwards[self.compile]
 
     def __call__(
         self,
@@ -296,9 +296,12 @@ class Drafter:
         block_ids = torch.cat([rows.anchor[:, None], masks], -1)
         c = rows.features.shape[1]
         context_positions = rows.positions[:, -c:] if rows.context_positions is None else rows.context_positions
-        if isinstance(draft_cache, StaticDraftCache):
+        static = isinstance(draft_cache, StaticDraftCache)
+        steady = static and draft_cache.allocated and c == block_positions.shape[1]  # a verify block's features in
+        if static:
             draft_cache.reserve(c, block_ids.device)
-        hidden = self.forward(
+        hidden = self.forward(steady)(
+            draft,
             target.embed_tokens(block_ids),
             block_positions,
             rows.features,

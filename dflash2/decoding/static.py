@@ -25,11 +25,14 @@ What changes, and why it changes no result:
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dflash2.decoding import speculative
 from dflash2.decoding.distributions import first_token, verify
 from dflash2.decoding.speculative import (
     Generation,
@@ -99,6 +102,14 @@ def decode_mode(decode: Any, compile: Any, device: torch.device | str = "cpu") -
     if compile is True:
         compile = "reduce-overhead" if torch.device(device).type == "cuda" else "default"
     return FastDecode(compile=compile or None)
+
+
+def decoders(fast: FastDecode | None) -> tuple[Callable[..., list[Generation]], Callable[..., list[Generation]]]:
+    """(speculative_generate, target_generate) of the plain loops (`fast` None) or of the fast path at `fast`: the
+    same arguments either way."""
+    if fast is None:
+        return speculative.speculative_generate, speculative.target_generate
+    return functools.partial(speculative_generate, fast=fast), functools.partial(target_generate, fast=fast)
 
 
 # ---------------------------------------------------------------------------------------------- bookkeeping

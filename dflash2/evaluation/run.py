@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash2.decoding import static as static_decode
 from dflash2.decoding.lookup import PromptLookup
-from dflash2.decoding.speculative import Generation, OnCommit, Sampling, speculative_generate, target_generate
+from dflash2.decoding.speculative import Generation, OnCommit, Sampling
 from dflash2.evaluation.checks import PLD, check_drafter, check_settings, prompt_lookup
 from dflash2.evaluation.copy_gap import copy_gap, replayable
 from dflash2.evaluation.report import format_table, log_wandb
@@ -240,10 +240,9 @@ def decode(
     length = settings["max_new_tokens"]
     device = target.lm_head_weight.device
     fast = static_decode.decode_mode(settings.get("decode", "plain"), settings.get("compile"), device)
-    alone = target_generate if fast is None else functools.partial(static_decode.target_generate, fast=fast)
+    spec, alone = static_decode.decoders(fast)
     if draft is None:
         return alone(target, prompt_ids, length, sampling, generator, on_commit)
-    spec = speculative_generate if fast is None else functools.partial(static_decode.speculative_generate, fast=fast)
     block_size, use_selector = settings["block_size"], settings["use_selector"]
     return spec(target, draft, prompt_ids, block_size, length, sampling, use_selector, generator, on_commit)
 

@@ -113,16 +113,16 @@ def take_slots_(buffer: torch.Tensor, index: torch.Tensor, dim: int) -> None:
 
 
 class StaticDraftCache(DraftCache):
-    """The drafter's context cache (`DraftCache`) in buffers of `capacity` slots per row and layer, allocated at the
-    first update and written in place at a pointer: `reserve(c)` claims the next c slots for the forward that follows,
-    whose every layer writes its context keys/values there. A step attends over the whole capacity, the slots past the
-    pointer masked, as the target's static cache does: shapes and addresses stay fixed from step to step, which a
-    compiled step (and a CUDA graph) needs, and no step copies the cache (DraftCache concatenates it)."""
+    """The drafter's context cache (`DraftCache`) in buffers of `capacity` slots per row and layer (`keys[layer]`,
+    `values[layer]`), allocated at the first update and written in place at a pointer: `reserve(c)` claims the next c
+    slots for the forward that follows, whose every layer writes its context keys/values there. A step attends over
+    the whole capacity, the slots past the pointer masked, as the target's static cache does: shapes and addresses
+    stay fixed from step to step, which a compiled step (and a CUDA graph) needs, and no step copies the cache
+    (DraftCache concatenates it)."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         super().__init__(num_layers)
         self.capacity, self.slots = capacity, 0
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.write_index: torch.Tensor | None = None
 
     @property
@@ -131,7 +131,7 @@ class StaticDraftCache(DraftCache):
 
     @property
     def allocated(self) -> bool:
-        return all(b is not None for b in self.buffers)
+        return all(k is not None for k in self.keys)
 
     def reserve(self, count: int, device: torch.device) -> None:
         """The next forward writes slots [length, length + count) of every row; the pointer moves past them."""
@@ -142,23 +142,20 @@ class StaticDraftCache(DraftCache):
         self.slots += count
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.buffers[layer] is None:
+        if self.keys[layer] is None:
             shape = (*k.shape[:2], self.capacity, k.shape[3])
-            keys, values = k.new_zeros(shape), v.new_zeros(shape)
-            for buffer in (keys, values):  # a compiled step mutates them in place: CUDA graphs need their addresses
-                torch._dynamo.mark_static_address(buffer)
-            self.buffers[layer] = self.keys[layer], self.values[layer] = keys, values
-        keys, values = self.buffers[layer]
-        keys.index_copy_(2, self.write_index, k)
-        values.index_copy_(2, self.write_index, v)
-        return keys, values
+            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
+            for buffer in (self.keys[layer], self.values[layer]):  # a compiled step mutates them in place, which
+                torch._dynamo.mark_static_address(buffer)  # CUDA graphs allow at fixed addresses only
+        self.keys[layer].index_copy_(2, self.write_index, k)
+        self.values[layer].index_copy_(2, self.write_index, v)
+        return self.keys[layer], self.values[layer]
 
     def keep(self, index: torch.Tensor) -> None:
         """Make each row's slots `index[row]` ([b, n], in that order) its first n, and n the slots it holds."""
-        for buffers in self.buffers:
-            if buffers is not None:
-                for buffer in buffers:
-                    take_slots_(buffer, index, 2)
+        for buffer in self.keys + self.values:
+            if buffer is not None:
+                take_slots_(buffer, index, 2)
         self.slots = index.shape[1]
 
 

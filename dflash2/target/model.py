@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,20 @@ from dflash2.target.static_cache import TargetStaticCache
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compiled_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """`fn` under torch.compile `mode`, as a decode step runs: whole (`fullgraph`: a graph break would split the CUDA
+    graph, so it fails loudly instead) and with fixed shapes (`dynamic=False`, each new shape a compile). Under a
+    CUDA-graph mode each call starts a new step of the graphs, so its outputs live until the next call."""
+    compiled = torch.compile(fn, mode=mode, dynamic=False, fullgraph=True)
+
+    def step(*args: Any) -> Any:
+        if mode in CUDA_GRAPH_MODES:
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    return step
 
 
 def compile_mode(value: bool | str | None) -> str | None:
@@ -291,26 +305,19 @@ class TargetModel(nn.Module):
         """The forward of a decode step over a `static_cache`: `step(input_ids, attention_mask, position_ids, cache)`
         -> TargetOutput (logits of every position, captured hidden states), eager or under torch.compile `mode`.
 
-        Compiled whole (`fullgraph`: a graph break would split the CUDA graph, so it fails loudly instead) with fixed
-        shapes (`dynamic=False`): a decode step's shapes are fixed by its batch's rows, the cache's capacity and the
-        block, and the cache's buffers (static addresses) would pin their sizes anyway; each new shape is a compile.
-        Under a CUDA-graph mode each call starts a new step of the graphs, so its outputs live until the next call."""
+        Compiled by `compiled_step`: a decode step's shapes are fixed by its batch's rows, the cache's capacity and the
+        block, and the cache's buffers (static addresses) would pin their sizes anyway; each new shape is a compile."""
 
         def step(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> TargetOutput:
-            if compiled is None:
-                logits, hidden = self._decode_step(ids, mask, positions, cache)
-            else:
-                if mode in CUDA_GRAPH_MODES:
-                    torch.compiler.cudagraph_mark_step_begin()
-                logits, hidden = compiled(ids, mask, positions, cache)
+            logits, hidden = forward(ids, mask, positions, cache)
             cache.length += ids.shape[1]
             return TargetOutput(logits=logits, hidden=hidden, past_key_values=cache)
 
-        compiled = None
+        forward = self._decode_step
         if mode is not None:
             if mode not in self._decode_steps:
-                self._decode_steps[mode] = torch.compile(self._decode_step, mode=mode, dynamic=False, fullgraph=True)
-            compiled = self._decode_steps[mode]
+                self._decode_steps[mode] = compiled_step(self._decode_step, mode)
+            forward = self._decode_steps[mode]
         return step
 
     def _decode_step(
