@@ -39,7 +39,7 @@ import torch
 import transformers
 import yaml
 
-from dflash2.decoding import distributions, speculative
+from dflash2.decoding import distributions, drafting
 from dflash2.decoding import static as static_decode
 from dflash2.decoding.speculative import Sampling, speculative_generate
 from dflash2.model import kernels
@@ -133,7 +133,7 @@ def instrumented(
     else:
         decode_step = target.decode_step
         patch(target, "decode_step", lambda mode=None: ranges.wrap(decode_step(mode), "verify"))
-    patch(speculative.Drafter, "__call__", ranges.wrap(speculative.Drafter.__call__, "drafter"))
+    patch(drafting.Drafter, "__call__", ranges.wrap(drafting.Drafter.__call__, "drafter"))
     for module in (distributions, selector_module):
         patch(module, "head_logits", ranges.wrap(module.head_logits, "head"))
     for layer in [] if compiled else draft.layers:

@@ -6,7 +6,7 @@ from fresh_forward import fresh_block_output
 from scipy.stats import chisquare
 
 from dflash2 import DFlash2DraftModel
-from dflash2.decoding import distributions
+from dflash2.decoding import distributions, drafting
 from dflash2.decoding import speculative as spec
 from dflash2.decoding.lookup import PromptLookup
 from dflash2.model import kernels
@@ -139,7 +139,7 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(
     if oracle:
         forced = Oracle(prompts, free, tiny.vocab_size, wrong=0.5, seed=seed)
         forced.watch(draft)
-        monkeypatch.setattr(spec, "propose", forced.wrap(spec.propose))
+        monkeypatch.setattr(drafting, "propose", forced.wrap(drafting.propose))
     out = spec.speculative_generate(
         tiny, draft, prompts, block_size, MAX_NEW, spec.Sampling(stop_ids=[stop], batch_size=3)
     )
@@ -164,7 +164,7 @@ def test_compacted_caches_decode_exactly_and_stay_small(tiny, monkeypatch):
     draft = make_draft(tiny, "dflash2", 8, seed)
     forced = Oracle(prompts, free, tiny.vocab_size, wrong=1.0, seed=seed, reach=2)
     forced.watch(draft)
-    monkeypatch.setattr(spec, "propose", forced.wrap(spec.propose))
+    monkeypatch.setattr(drafting, "propose", forced.wrap(drafting.propose))
     widths = []
 
     def recording(rows, cache, draft_cache):
@@ -351,8 +351,8 @@ def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
         seen.setdefault(kernels.get_backend(), []).append(tokens)
         return tokens, q
 
-    real = spec.propose
-    monkeypatch.setattr(spec, "propose", recording)
+    real = drafting.propose
+    monkeypatch.setattr(drafting, "propose", recording)
     outs = {}
     for name in ("triton", "torch"):
         with kernels.backend(name):

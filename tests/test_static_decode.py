@@ -11,6 +11,7 @@ from test_evaluation import config, export_draft
 from test_speculative import make_draft, random_prompts, repeating_prompts
 from torch._dynamo.utils import counters
 
+from dflash2.decoding import drafting
 from dflash2.decoding import speculative as spec
 from dflash2.decoding import static as fast
 from dflash2.decoding.lookup import PromptLookup
@@ -50,7 +51,7 @@ class Teacher:
             return forward(block_embeds, block_positions, *args, **kwargs)
 
         monkeypatch.setattr(draft, "forward", recording)
-        monkeypatch.setattr(spec, "propose", self.wrap(spec.propose))
+        monkeypatch.setattr(drafting, "propose", self.wrap(drafting.propose))
 
     def wrap(self, propose):
         def forced(draft, head, hidden, anchors, **kwargs):

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from dflash2.decoding import static
-from dflash2.decoding.speculative import Proposer, Sampling
+from dflash2.decoding.proposer import Proposer
+from dflash2.decoding.speculative import Sampling
 from dflash2.decoding.static import FastDecode
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import torch
 from dflash2.model.contract import check_block_size
 
 if TYPE_CHECKING:
-    from dflash2.decoding.speculative import Rows
+    from dflash2.decoding.proposer import Rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,12 +34,11 @@ import torch.nn.functional as F
 
 from dflash2.decoding import speculative
 from dflash2.decoding.distributions import first_token, verify
+from dflash2.decoding.proposer import Proposer, Rows
 from dflash2.decoding.speculative import (
     Generation,
     OnCommit,
-    Proposer,
     Requests,
-    Rows,
     Sampling,
     committed,
     pad_right,
@@ -60,7 +59,7 @@ SPARE_BLOCKS = 8
 @dataclasses.dataclass(frozen=True)
 class FastDecode:
     """The fast path's settings: `compile`, the torch.compile mode of the target's and the drafter's decode steps
-    (None = eager; `speculative.Drafter` says which of the drafter's steps), and `capacity`, the slots per row (None =
+    (None = eager; `drafting.Drafter` says which of the drafter's steps), and `capacity`, the slots per row (None =
     what a call needs, rounded up to CAPACITY_STEP)."""
 
     compile: str | None = None

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash2.decoding import static as static_decode
 from dflash2.decoding.costs import measure_costs
-from dflash2.decoding.speculative import Drafter
+from dflash2.decoding.drafting import Drafter
 from dflash2.evaluation import checks
 from dflash2.evaluation import run as evaluation
 from dflash2.evaluation.speed_model import expected_steps, fill, predict, tau_of, truncate

@@ -1,0 +1,143 @@
+"""A DFlash2 drafter as the decode loop's proposer (`proposer.Proposer`; prompt lookup is the other one,
+dflash2/decoding/lookup.py): the target features of the slots just verified go into the drafter's context cache, then
+one forward over the block `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`distributions.propose`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dflash2.decoding.distributions import propose
+from dflash2.decoding.proposer import Rows
+from dflash2.model import kernels
+from dflash2.model.config import in_window
+from dflash2.model.drafter import DFlash2DraftModel, DraftCache, StaticDraftCache
+from dflash2.target.model import compiled_step
+
+
+def draft_mask(
+    draft: DFlash2DraftModel, key_mask: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor | dict:
+    """Bool [b, 1, B, slots + B] (`Rows`' key_mask, lengths and positions): the block sees every committed context
+    slot and all of itself; on sliding layers slot k sees the context positions p with (anchor + k) - p <
+    sliding_window (the window counted from each query's own position, as the engines count it)."""
+    valid = key_mask.bool()
+    ones = valid.new_ones(valid.shape[0], block_size, block_size)
+
+    def build(window: int | None) -> torch.Tensor:
+        seen = valid[:, None].expand(-1, block_size, -1)
+        if window is not None:
+            query = lengths[:, None] + torch.arange(block_size, device=valid.device)  # [b, B]
+            seen = seen & in_window(query[:, :, None], positions[:, None], window)
+        return torch.cat([seen, ones], -1)[:, None]
+
+    return draft.config.attention_masks(build)
+
+
+def only_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Zero the features of masked slots: a padded or rejected slot may hold anything (even NaN), and a masked
+    key still multiplies its value by 0 inside attention."""
+    return torch.where(kept[..., None], features, 0)
+
+
+def draft_forward(
+    draft: DFlash2DraftModel,
+    block_embeds: torch.Tensor,
+    block_positions: torch.Tensor,
+    features: torch.Tensor,
+    context_positions: torch.Tensor,
+    key_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    positions: torch.Tensor,
+    cache: DraftCache,
+) -> torch.Tensor:
+    """One draft step's forward: the target features of the slots just verified into the drafter's cache, then the
+    block `[anchor, MASK, ...]` over that context -> norm(h) [b, B, H]."""
+    block_size = block_positions.shape[1]
+    mask = draft_mask(draft, key_mask, lengths, positions, block_size)
+    context = draft.fuse(features)
+    return draft(block_embeds, block_positions, context, context_positions, mask, cache=cache, block_size=block_size)
+
+
+_compiled_forwards: dict[str, Callable[..., torch.Tensor]] = {}  # torch.compile mode -> draft_forward compiled
+
+
+def _on_reference_kernels(step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    with kernels.backend("torch"):
+        return step(*args)
+
+
+class Drafter:
+    """A DFlash2 drafter as the loop's proposer: the target features of the newly committed slots go into its
+    cache, then one forward over `[anchor, MASK, ...]` whose B-1 proposing rows become tokens (`propose`).
+
+    `compile` (a torch.compile mode, the fast path's): the forward of every step whose shapes repeat, a verify
+    block's features into a `StaticDraftCache` already allocated, runs compiled (CUDA graphs with reduce-overhead),
+    the grouped conv on its PyTorch reference, which the compiler fuses; the first step after a prefill stays eager."""
+
+    def __init__(self, target: Any, draft: DFlash2DraftModel, use_selector: bool, compile: str | None = None) -> None:
+        self.target, self.draft, self.use_selector, self.compile = target, draft, use_selector, compile
+
+    def slots(self, block_size: int) -> int:
+        return block_size - 1  # one forward proposes every slot, at any block size
+
+    def new_cache(self, capacity: int | None = None) -> DraftCache:
+        layers = self.draft.config.num_hidden_layers
+        return DraftCache(layers) if capacity is None else StaticDraftCache(layers, capacity)
+
+    def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """What the next draft forward takes in: the target features of the slots just verified."""
+        return only_kept(hidden, kept)
+
+    def forward(self, steady: bool) -> Callable[..., torch.Tensor]:
+        """`draft_forward`, compiled (`compile`) for a step whose shapes repeat (`steady`), with the grouped conv on
+        its PyTorch reference, which the compiler fuses."""
+        if self.compile is None or not steady:
+            return draft_forward
+        if self.compile not in _compiled_forwards:
+            step = compiled_step(draft_forward, self.compile)
+            _compiled_forwards[self.compile] = lambda *args: _on_reference_kernels(step, *args)
+        return _compiled_forwards[self.compile]
+
+    def __call__(
+        self,
+        rows: Rows,
+        block_positions: torch.Tensor,
+        draft_cache: DraftCache,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        draft, target = self.draft, self.target
+        masks = torch.full_like(block_positions[:, 1:], draft.config.mask_token_id)
+        block_ids = torch.cat([rows.anchor[:, None], masks], -1)
+        c = rows.features.shape[1]
+        context_positions = rows.positions[:, -c:] if rows.context_positions is None else rows.context_positions
+        static = isinstance(draft_cache, StaticDraftCache)
+        steady = static and draft_cache.allocated and c == block_positions.shape[1]  # a verify block's features in
+        if static:
+            draft_cache.reserve(c, block_ids.device)
+        hidden = self.forward(steady)(
+            draft,
+            target.embed_tokens(block_ids),
+            block_positions,
+            rows.features,
+            context_positions,
+            rows.key_mask,
+            rows.lengths,
+            rows.positions,
+            draft_cache,
+        )
+        return propose(
+            draft,
+            target.lm_head_weight,
+            hidden[:, 1:],
+            rows.anchor,
+            temperature=temperature,
+            use_selector=self.use_selector,
+            vocab=target.lm_head_weight.shape[0],
+            generator=generator,
+            live=rows.live,
+        )
