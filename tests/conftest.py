@@ -36,11 +36,14 @@ SEED_ENV = "DFLASH2_TEST_SEED"
 
 @pytest.fixture(autouse=True)
 def random_seed(request: pytest.FixtureRequest) -> int:
-    """Python's `random` starts every test from a seed of its own, drawn afresh (or $DFLASH2_TEST_SEED), so that what a
-    test draws from it (sizes, a torch.Generator's seed) varies from run to run and a failure can be replayed: its
-    report names the seed (pytest_runtest_makereport below)."""
+    """Python's `random` and torch's default generator start every test from a seed of its own, drawn afresh (or
+    $DFLASH2_TEST_SEED), so that what a test draws from them (sizes, a torch.Generator's seed, random weights) varies
+    from run to run and a failure can be replayed: its report names the seed (pytest_runtest_makereport below)."""
+    import torch
+
     seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**32))
     random.seed(seed)
+    torch.manual_seed(seed)
     request.node.random_seed = seed
     return seed
 
@@ -51,7 +54,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     report = outcome.get_result()
     seed = getattr(item, "random_seed", None)
     if report.failed and seed is not None:
-        report.sections.append(("random seed", f"{SEED_ENV}={seed} replays this test's draws from `random`"))
+        report.sections.append(("random seed", f"{SEED_ENV}={seed} replays this test's draws from `random` and torch"))
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Speculative decoding is lossless: greedy output is the target's own, sampled output follows its distribution."""
 
+import random
+
 import pytest
 import torch
 from fresh_forward import fresh_block_output
@@ -94,7 +96,7 @@ class Oracle:
 
 
 def test_target_generate_is_the_models_own_greedy_generation(tiny):
-    prompts = random_prompts(torch.seed() % 10_000, 3, tiny.vocab_size)
+    prompts = random_prompts(random.randrange(10_000), 3, tiny.vocab_size)
     ours = spec.target_generate(tiny, prompts, 10, spec.Sampling(batch_size=2))
     for prompt, out in zip(prompts, ours, strict=True):
         hf = tiny.model.generate(
@@ -107,7 +109,7 @@ def test_target_generate_is_the_models_own_greedy_generation(tiny):
 @pytest.fixture(scope="module")
 def greedy_case(tiny):
     """Fresh prompts, the target's own greedy outputs, and a stop token from the middle of the first output."""
-    prompts = random_prompts(torch.seed() % 10_000, 4, tiny.vocab_size)
+    prompts = random_prompts(random.randrange(10_000), 4, tiny.vocab_size)
     free = spec.target_generate(tiny, prompts, MAX_NEW, spec.Sampling(batch_size=4))
     stop = free[0].output_ids[MAX_NEW // 2]
     # Greedy decoding with a stop token is the free run cut after the stop's first occurrence.
@@ -134,7 +136,7 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(
     tiny, greedy_case, kind, block_size, oracle, monkeypatch
 ):
     prompts, free, stop, reference = greedy_case
-    seed = torch.seed() % 10_000
+    seed = random.randrange(10_000)
     draft = make_draft(tiny, kind, block_size, seed)
     if oracle:
         forced = Oracle(prompts, free, tiny.vocab_size, wrong=0.5, seed=seed)
@@ -156,7 +158,7 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(
 def test_compacted_caches_decode_exactly_and_stay_small(tiny, monkeypatch):
     """Proposals that are mostly rejected leave most slots masked: compaction must drop them from both caches
     (the widths shrink) without changing a token or what the drafter computes."""
-    seed = torch.seed() % 10_000
+    seed = random.randrange(10_000)
     prompts = random_prompts(seed, 4, tiny.vocab_size)
     # Long enough that the masked slots (6 or 7 per step after each request's first block) outgrow the text.
     free = spec.target_generate(tiny, prompts, 40, spec.Sampling(batch_size=4))
@@ -211,8 +213,6 @@ def repeating_prompts(seed, n, vocab):
 
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_prompt_lookup_greedy_output_is_the_targets_greedy_output(tiny, block_size, monkeypatch):
-    prompts = repeating_prompts(torch.seed() % 10_000, 4, tiny.vocab_size)
-    reference = spec.target_generate(tiny, prompts, 24, spec.Sampling(batch_size=4))
     steps = []  # (features kept for a drafter, target cache width before, after) per compaction
 
     def recording(rows, cache, draft_cache):
@@ -223,12 +223,21 @@ def test_prompt_lookup_greedy_output_is_the_targets_greedy_output(tiny, block_si
 
     compact = spec.compact
     monkeypatch.setattr(spec, "compact", recording)
-    out = spec.speculative_generate(tiny, PromptLookup(), prompts, block_size, 24, spec.Sampling(batch_size=3))
-    assert [g.output_ids for g in out] == [g.output_ids for g in reference]
-    for got in out:
-        assert len(got.output_ids) == 1 + sum(got.accept_lengths)
-        assert all(1 <= n <= block_size for n in got.accept_lengths)
-    assert max(n for g in out for n in g.accept_lengths) >= 2  # some lookups were accepted, not only bonus tokens
+    seed = random.randrange(10_000)
+    # About one draw of prompts in 150, the random target continues none of their repeats: the next draw is taken, so
+    # that some lookups are accepted (not only bonus tokens). Every draw's output must be the target's.
+    for attempt in range(5):
+        prompts = repeating_prompts(seed + attempt, 4, tiny.vocab_size)
+        reference = spec.target_generate(tiny, prompts, 24, spec.Sampling(batch_size=4))
+        steps.clear()
+        out = spec.speculative_generate(tiny, PromptLookup(), prompts, block_size, 24, spec.Sampling(batch_size=3))
+        assert [g.output_ids for g in out] == [g.output_ids for g in reference]
+        for got in out:
+            assert len(got.output_ids) == 1 + sum(got.accept_lengths)
+            assert all(1 <= n <= block_size for n in got.accept_lengths)
+        if max(n for g in out for n in g.accept_lengths) >= 2:
+            break
+    assert max(n for g in out for n in g.accept_lengths) >= 2
     assert all(features is None and cache is None for features, cache, _, _ in steps)  # no drafter was fed
     assert any(after < before for _, _, before, after in steps)  # the target's cache alone was compacted
 
@@ -271,7 +280,7 @@ def test_prompt_lookup_proposes_what_the_ngram_rule_gives():
     assert propose([[3]]) == [[F] * 7]
 
     # Random short rows over a small vocabulary (so n-grams recur), against the plain rule.
-    g = torch.Generator().manual_seed(torch.seed() % 10_000)
+    g = torch.Generator().manual_seed(random.randrange(10_000))
     for _ in range(20):
         rows = [torch.randint(1, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (6,), generator=g)]
         max_n = int(torch.randint(1, 5, (), generator=g))
@@ -292,7 +301,7 @@ def test_prompt_lookup_at_every_prefix_is_the_lookup_of_each_prefix():
     counted = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1]).bool()  # an untrained token stops the count
     assert lookup.matched_lengths(text, 4, counted).tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0]
 
-    seed = torch.seed() % 10_000
+    seed = random.randrange(10_000)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     for _ in range(30):
@@ -337,7 +346,7 @@ def test_prompt_lookup_refuses_more_tokens_than_a_block_holds(tiny):
 
 @pytest.mark.skipif(_backend.triton is None, reason="triton is not installed")
 def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
-    seed = torch.seed() % 10_000
+    seed = random.randrange(10_000)
     prompts = random_prompts(seed, 2, tiny.vocab_size)
     # Sizeable codebooks, so the walk leaves the argmax path.
     draft = make_draft(tiny, "dflash2", 4, seed, scale=0.5)
@@ -366,7 +375,7 @@ def test_triton_and_reference_walks_decode_identically(tiny, monkeypatch):
 # ---------------------------------------------------------------------------------------------- sampling
 def test_verify_resamples_to_the_target_distribution():
     """One slot, many rows: accepted draft tokens plus residual resamples must be distributed as p exactly."""
-    g = torch.Generator().manual_seed(torch.seed() % 10_000)
+    g = torch.Generator().manual_seed(random.randrange(10_000))
     vocab, rows = 8, 100_000
     logits = (torch.randn(1, 2, vocab, generator=g) * 1.5).expand(rows, 2, vocab)
     q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1).expand(rows, 1, vocab)
