@@ -238,6 +238,38 @@ def test_the_comparison_catches_a_broken_fast_path(tiny, sabotage, temperature, 
         assert_same(plain, static)
 
 
+def test_the_drafters_static_cache_keeps_its_buffers_from_batch_to_batch(tiny, monkeypatch):
+    """Every batch of a capacity gets the same drafter cache, emptied, its buffers where they were (a CUDA graph reads
+    them at the addresses it recorded), and a later call of that capacity too; the outputs are checked against the
+    plain loop's, batch after batch, by the tests above."""
+    seed = random.randrange(10_000)
+    prompts = random_prompts(seed, 3, tiny.vocab_size)
+    draft = make_draft(tiny, "dflash2", BLOCK, seed)
+    caches = []  # (the cache, its key buffers' addresses, its length) as each batch gets it
+    real = drafting.Drafter.new_cache
+
+    def recording(self, capacity=None):
+        cache = real(self, capacity)
+        caches.append((cache, [k.data_ptr() for k in cache.keys if k is not None], cache.length))
+        return cache
+
+    monkeypatch.setattr(drafting.Drafter, "new_cache", recording)
+    sampling = spec.Sampling(batch_size=1)
+    capacity = max(map(len, prompts)) + MAX_NEW + 3 * BLOCK
+
+    def decode(capacity):
+        settings = fast.FastDecode(capacity=capacity)
+        fast.speculative_generate(tiny, draft, prompts, BLOCK, MAX_NEW, sampling, fast=settings)
+
+    decode(capacity)
+    decode(capacity)
+    first = caches[0][0]
+    assert len(caches) == 6 and all(cache is first and length == 0 for cache, _, length in caches)
+    assert caches[0][1] == [] and all(ptrs == caches[1][1] for _, ptrs, _ in caches[1:]) and len(caches[1][1]) > 0
+    decode(capacity + 1)
+    assert caches[-1][0] is not first  # another capacity, other buffers
+
+
 def test_take_slots_moves_each_rows_slots_in_place():
     buffer = torch.arange(2 * 3 * 5).view(2, 3, 5)  # [b, heads, slots]: slot s of row r, head h = 15 r + 5 h + s
     take_slots_(buffer, torch.tensor([[4, 0], [2, 2]]), 2)

@@ -5,6 +5,7 @@ one forward over the block `[anchor, MASK, ...]` whose B-1 proposing rows become
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,9 @@ def draft_forward(
 
 
 _compiled_forwards: dict[str, Callable[..., torch.Tensor]] = {}  # torch.compile mode -> draft_forward compiled
+# draft model -> {capacity: its StaticDraftCache}, the newest last. One cache serves every batch of a capacity, emptied:
+# a CUDA graph reads its buffers at the addresses it recorded, and new buffers would make it record anew.
+_static_caches: weakref.WeakKeyDictionary[DFlash2DraftModel, dict[int, StaticDraftCache]] = weakref.WeakKeyDictionary()
 
 
 def _on_reference_kernels(step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -85,8 +89,20 @@ class Drafter:
         return block_size - 1  # one forward proposes every slot, at any block size
 
     def new_cache(self, capacity: int | None = None) -> DraftCache:
+        """An empty context cache: growing (None) or of `capacity` slots per row, the same one for the same capacity
+        (the last two capacities kept: the warm-up's call and the timed ones may differ)."""
         layers = self.draft.config.num_hidden_layers
-        return DraftCache(layers) if capacity is None else StaticDraftCache(layers, capacity)
+        if capacity is None:
+            return DraftCache(layers)
+        caches = _static_caches.setdefault(self.draft, {})
+        cache = caches.pop(capacity, None)
+        if cache is None:
+            while len(caches) >= 2:  # the oldest goes before new buffers are allocated
+                caches.pop(next(iter(caches)))
+            cache = StaticDraftCache(layers, capacity)
+        cache.reset()
+        caches[capacity] = cache
+        return cache
 
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """What the next draft forward takes in: the target features of the slots just verified."""
@@ -116,7 +132,8 @@ class Drafter:
         c = rows.features.shape[1]
         context_positions = rows.positions[:, -c:] if rows.context_positions is None else rows.context_positions
         static = isinstance(draft_cache, StaticDraftCache)
-        steady = static and draft_cache.allocated and c == block_positions.shape[1]  # a verify block's features in
+        # A steady step: the buffers there for these rows, and a verify block's features in.
+        steady = static and draft_cache.allocated(len(block_ids)) and c == block_positions.shape[1]
         if static:
             draft_cache.reserve(c, block_ids.device)
         hidden = self.forward(steady)(

@@ -118,7 +118,8 @@ class StaticDraftCache(DraftCache):
     slots for the forward that follows, whose every layer writes its context keys/values there. A step attends over
     the whole capacity, the slots past the pointer masked, as the target's static cache does: shapes and addresses
     stay fixed from step to step, which a compiled step (and a CUDA graph) needs, and no step copies the cache
-    (DraftCache concatenates it)."""
+    (DraftCache concatenates it). `reset()` empties it for the next batch and keeps its buffers, so that their
+    addresses stay fixed from batch to batch too."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         super().__init__(num_layers)
@@ -129,9 +130,13 @@ class StaticDraftCache(DraftCache):
     def length(self) -> int:
         return self.slots
 
-    @property
-    def allocated(self) -> bool:
-        return all(k is not None for k in self.keys)
+    def allocated(self, rows: int) -> bool:
+        """Whether the buffers are there for `rows` rows: a forward then only writes into them."""
+        return all(k is not None and k.shape[0] == rows for k in self.keys)
+
+    def reset(self) -> None:
+        """Empty: the pointer back to slot 0, the buffers kept (what they hold is masked until written again)."""
+        self.slots, self.write_index = 0, None
 
     def reserve(self, count: int, device: torch.device) -> None:
         """The next forward writes slots [length, length + count) of every row; the pointer moves past them."""
@@ -142,8 +147,8 @@ class StaticDraftCache(DraftCache):
         self.slots += count
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is None:
-            shape = (*k.shape[:2], self.capacity, k.shape[3])
+        held, shape = self.keys[layer], (*k.shape[:2], self.capacity, k.shape[3])
+        if held is None or held.shape != shape or held.dtype != k.dtype or held.device != k.device:
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
             for buffer in (self.keys[layer], self.values[layer]):  # a compiled step mutates them in place, which
                 torch._dynamo.mark_static_address(buffer)  # CUDA graphs allow at fixed addresses only
