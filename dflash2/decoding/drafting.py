@@ -17,6 +17,7 @@ from dflash2.model import kernels
 from dflash2.model.config import in_window
 from dflash2.model.drafter import DFlash2DraftModel, DraftCache, StaticDraftCache
 from dflash2.target.model import compiled_step
+from dflash2.target.static_cache import reused
 
 
 def draft_mask(
@@ -64,8 +65,7 @@ def draft_forward(
 
 
 _compiled_forwards: dict[str, Callable[..., torch.Tensor]] = {}  # torch.compile mode -> draft_forward compiled
-# draft model -> {capacity: its StaticDraftCache}, the newest last. One cache serves every batch of a capacity, emptied:
-# a CUDA graph reads its buffers at the addresses it recorded, and new buffers would make it record anew.
+# draft model -> {capacity: its StaticDraftCache}, which every batch of that capacity reuses (`reused`)
 _static_caches: weakref.WeakKeyDictionary[DFlash2DraftModel, dict[int, StaticDraftCache]] = weakref.WeakKeyDictionary()
 
 
@@ -90,19 +90,12 @@ class Drafter:
 
     def new_cache(self, capacity: int | None = None) -> DraftCache:
         """An empty context cache: growing (None) or of `capacity` slots per row, the same one for the same capacity
-        (the last two capacities kept: the warm-up's call and the timed ones may differ)."""
+        (`reused`; the last two kept: a warm-up's call and the timed ones may differ)."""
         layers = self.draft.config.num_hidden_layers
         if capacity is None:
             return DraftCache(layers)
         caches = _static_caches.setdefault(self.draft, {})
-        cache = caches.pop(capacity, None)
-        if cache is None:
-            while len(caches) >= 2:  # the oldest goes before new buffers are allocated
-                caches.pop(next(iter(caches)))
-            cache = StaticDraftCache(layers, capacity)
-        cache.reset()
-        caches[capacity] = cache
-        return cache
+        return reused(caches, capacity, lambda: StaticDraftCache(layers, capacity))
 
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """What the next draft forward takes in: the target features of the slots just verified."""

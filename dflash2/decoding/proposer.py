@@ -40,8 +40,8 @@ class Proposer(Protocol):
         ...
 
     def new_cache(self, capacity: int | None = None) -> Any:
-        """A fresh cache of its own for a batch (None: it keeps none); with `capacity`, a static one of that many
-        slots per row (`dflash2.model.drafter.StaticDraftCache`)."""
+        """An empty cache of its own for a batch (None: it keeps none); with `capacity`, a static one of that many
+        slots per row (`dflash2.model.drafter.StaticDraftCache`), which may be the previous batch's, emptied."""
         ...
 
     def pending(self, hidden: torch.Tensor, kept: torch.Tensor) -> Any:

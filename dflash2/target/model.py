@@ -21,7 +21,7 @@ from dflash2.target.attention import use_grouped_sdpa
 from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs
 from dflash2.target.inherited import dense_head_weight, draft_config_fields
 from dflash2.target.locate import target_source
-from dflash2.target.static_cache import TargetStaticCache
+from dflash2.target.static_cache import TargetStaticCache, reused
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -287,19 +287,10 @@ class TargetModel(nn.Module):
 
     # ------------------------------------------------------------------ the fast decode path (decode=static)
     def static_cache(self, batch: int, capacity: int) -> TargetStaticCache:
-        """An empty `TargetStaticCache` of `capacity` slots for `batch` rows (allocated by the first forward into it).
-        The same one, emptied, for the same shape: its buffers keep their addresses, so the compiled steps replay the
-        CUDA graphs they recorded instead of recording new ones. The last two shapes are kept (the drafter's run and
-        the target alone alternate in evaluate.py, and their capacities may differ)."""
-        key = (batch, capacity)
-        cache = self._static_caches.pop(key, None)
-        if cache is None:
-            while len(self._static_caches) >= 2:  # the oldest goes before new buffers are allocated
-                self._static_caches.pop(next(iter(self._static_caches)))
-            cache = TargetStaticCache(self.config, capacity)
-        cache.reset()
-        self._static_caches[key] = cache  # the newest last
-        return cache
+        """An empty `TargetStaticCache` of `capacity` slots for `batch` rows (allocated by the first forward into it),
+        the same one for the same shape (`reused`). The last two shapes are kept: the drafter's run and the target
+        alone alternate in evaluate.py, and their capacities may differ."""
+        return reused(self._static_caches, (batch, capacity), lambda: TargetStaticCache(self.config, capacity))
 
     def decode_step(self, mode: str | None = None) -> Any:
         """The forward of a decode step over a `static_cache`: `step(input_ids, attention_mask, position_ids, cache)`

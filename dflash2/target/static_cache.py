@@ -9,13 +9,30 @@ gather within the same buffers that moves the pointer back.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from dflash2.model.drafter import take_slots_
+
+Cache = TypeVar("Cache")
+
+
+def reused(caches: dict[Any, Cache], key: Hashable, make: Callable[[], Cache], kept: int = 2) -> Cache:
+    """The static cache of `key` (a shape) from `caches`, emptied by its `reset()`, or a new one (`make()`): the same
+    buffers at the same addresses for every batch of that shape, so that compiled steps replay the CUDA graphs they
+    recorded instead of recording new ones. The last `kept` keys are kept, the newest last."""
+    cache = caches.pop(key, None)
+    if cache is None:
+        while len(caches) >= kept:  # the oldest goes before new buffers are allocated
+            caches.pop(next(iter(caches)))
+        cache = make()
+    cache.reset()
+    caches[key] = cache
+    return cache
 
 
 class TargetStaticCache(StaticCache):
