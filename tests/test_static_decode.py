@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 from test_evaluation import config, export_draft
-from test_speculative import make_draft, random_prompts, repeating_prompts
+from test_lookup import repeating_prompts
+from test_speculative import make_draft, random_prompts
 from torch._dynamo.utils import counters
 
 from dflash2.decoding import drafting

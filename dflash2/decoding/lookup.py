@@ -108,7 +108,7 @@ class PromptLookup:
     def follows(self, tokens: torch.Tensor) -> torch.Tensor:
         """`lookup` at every prefix of one text at once: tokens [L] -> [L], where the proposal from the committed
         tokens `tokens[: a + 1]` (the anchor a last) starts, -1 where no n-gram matches. The same rule as `lookup`
-        (tests/test_speculative.py compares them at every prefix), through an index of the n-grams: each n-gram gets
+        (tests/test_lookup.py compares them at every prefix), through an index of the n-grams: each n-gram gets
         an id, and each window the latest earlier window of the same id, so a whole conversation costs a few sorts
         instead of one comparison with every window per prefix."""
         length = len(tokens)
