@@ -4,7 +4,7 @@ python export.py ckpt_path=runs/my-run output_dir=exports/my-drafter
 python export.py check=exports/my-drafter
 """
 
-from dflash2 import cli
+from dflash2.commands import export
 
 if __name__ == "__main__":
-    cli.export()
+    export.main()

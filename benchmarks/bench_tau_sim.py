@@ -32,7 +32,8 @@ from train_throughput import compose_preset  # noqa: E402
 
 from dflash2.data.benches import load_prompts  # noqa: E402
 from dflash2.data.chat import load_conversations, tokenize_conversations  # noqa: E402
-from dflash2.data.datamodule import AnchoredRows, BlockCollator  # noqa: E402
+from dflash2.data.collate import BlockCollator  # noqa: E402
+from dflash2.data.sampling import AnchoredRows  # noqa: E402
 
 METRICS = ("tau_sim", "acc_1", "acc_2", "acc_4", "acc_15")
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.WARNING)
 
-    from dflash2.training.run import build_module, target_and_draft
+    from dflash2.commands.train_groups import build_module, target_and_draft
 
     cfg = compose_preset(
         args.preset,

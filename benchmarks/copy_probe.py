@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from train_throughput import DRAFTERS, build_module, build_target, compose_preset  # noqa: E402
 
 from dflash2.data.anchors import sample_anchors  # noqa: E402
-from dflash2.data.datamodule import BlockCollator  # noqa: E402
+from dflash2.data.collate import BlockCollator  # noqa: E402
 
 VOCAB, MASK, PROMPT = 512, 511, 16  # the tiny target's vocabulary and mask id (train_throughput's qwen3-8b --small)
 

@@ -107,7 +107,7 @@ def measure(args: argparse.Namespace, work: pathlib.Path, steps: int, warmup: in
         ddp_trainer = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true"]
     else:
         if not args.data:
-            parser.error("--data is required (a chat JSONL, e.g. from python -m dflash2.data.regenerate)")
+            parser.error("--data is required (a chat JSONL, e.g. from python -m dflash2.commands.regenerate)")
         data = pathlib.Path(args.data).resolve()
         base = ["experiment=gpu_smollm2", "data.extra_paths=[]"]  # the data given, alone
         single_trainer = ["trainer=gpu"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -39,7 +40,7 @@ import torch
 import transformers
 import yaml
 
-from dflash2.decoding import distributions, drafting
+from dflash2.decoding import distributions, drafting, graphed
 from dflash2.decoding import static as static_decode
 from dflash2.decoding.speculative import Sampling, speculative_generate
 from dflash2.model import kernels
@@ -59,7 +60,8 @@ class Ranges:
 
     def __init__(self, cuda: bool, on_start: Callable[[], None] | None = None) -> None:
         self.cuda, self.on_start = cuda, on_start
-        self.calls: list[tuple[str, str | None, float, float, list | None]] = []  # name, parent, begin, end, events
+        # name, the ranges it ran inside, begin, end, events
+        self.calls: list[tuple[str, tuple[str, ...], float, float, list | None]] = []
         self.stack: list[str] = []
         self.start: float | None = None
 
@@ -70,7 +72,7 @@ class Ranges:
                 self.on_start()
             self.start = time.perf_counter()
         events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)] if self.cuda else None
-        parent = self.stack[-1] if self.stack else None
+        inside = tuple(self.stack)
         self.stack.append(name)
         with torch.profiler.record_function(name):
             if events:
@@ -83,7 +85,7 @@ class Ranges:
                 if events:
                     events[1].record()
                 self.stack.pop()
-                self.calls.append((name, parent, begin, end, events))
+                self.calls.append((name, inside, begin, end, events))
 
     def wrap(self, fn: Callable, name: str) -> Callable:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -92,12 +94,12 @@ class Ranges:
 
         return wrapped
 
-    def total(self, name: str, parent: str | None = "any") -> tuple[float, float | None, int]:
-        """(host ms, device ms or None on a CPU, calls) of the calls of `name` (inside `parent`; "any": anywhere),
-        summed; synchronise first."""
+    def total(self, name: str, *within: str) -> tuple[float, float | None, int]:
+        """(host ms, device ms or None on a CPU, calls) of the calls of `name` that ran inside every range of
+        `within`, summed; synchronise first."""
         host, device, calls = 0.0, 0.0 if self.cuda else None, 0
-        for call, outer, begin, end, events in self.calls:
-            if call == name and parent in ("any", outer):
+        for call, inside, begin, end, events in self.calls:
+            if call == name and all(w in inside for w in within):
                 host, calls = host + (end - begin) * 1e3, calls + 1
                 if events:
                     device += events[0].elapsed_time(events[1])
@@ -120,30 +122,10 @@ def instrumented(
         patched.append((obj, attr, getattr(obj, attr), attr in vars(obj)))
         setattr(obj, attr, value)
 
-    if not fast:
-        forward = target.forward
-
-        def verify_forward(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("logits_at") is not None:
-                return forward(*args, **kwargs)
-            with ranges.range("verify"):
-                return forward(*args, **kwargs)
-
-        patch(target, "forward", verify_forward)
-    else:
-        decode_step = target.decode_step
-        patch(target, "decode_step", lambda mode=None: ranges.wrap(decode_step(mode), "verify"))
+    wrap_verify(patch, target, ranges, fast)
     patch(drafting.Drafter, "__call__", ranges.wrap(drafting.Drafter.__call__, "drafter"))
-    for module in (distributions, selector_module):
-        patch(module, "head_logits", ranges.wrap(module.head_logits, "head"))
-    for layer in [] if compiled else draft.layers:
-        for conv in (layer.attention_conv, layer.mlp_conv):
-            if conv is not None:
-                patch(conv, "prepare", ranges.wrap(conv.prepare, "conv"))
-                patch(conv, "finish", ranges.wrap(conv.finish, "conv"))
-    if draft.candidate_selector is not None:
-        for name in SELECTOR_CALLS:
-            patch(draft.candidate_selector, name, ranges.wrap(getattr(draft.candidate_selector, name), "selector"))
+    patch(graphed.WholeSteps, "__call__", ranges.wrap(graphed.WholeSteps.__call__, "whole"))
+    wrap_heads(patch, draft, ranges, compiled)
     try:
         yield
     finally:
@@ -154,11 +136,46 @@ def instrumented(
                 delattr(obj, attr)
 
 
+def wrap_verify(patch: Callable[[Any, str, Any], None], target: Any, ranges: Ranges, fast: bool) -> None:
+    """The verify: on the plain path `target.forward` less the prefill (which passes logits_at), on the fast path the
+    step `target.decode_step` returns, wrapped outside the compiled function."""
+    if fast:
+        decode_step = target.decode_step
+        patch(target, "decode_step", lambda mode=None: ranges.wrap(decode_step(mode), "verify"))
+        return
+    forward = target.forward
+
+    def verify_forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("logits_at") is not None:
+            return forward(*args, **kwargs)
+        with ranges.range("verify"):
+            return forward(*args, **kwargs)
+
+    patch(target, "forward", verify_forward)
+
+
+def wrap_heads(
+    patch: Callable[[Any, str, Any], None], draft: DFlash2DraftModel, ranges: Ranges, compiled: bool
+) -> None:
+    """DFlash2's heads: the head matmul, the conv's prepare/finish (not inside a compiled drafter) and the selector."""
+    for module in (distributions, selector_module):
+        patch(module, "head_logits", ranges.wrap(module.head_logits, "head"))
+    convs = [] if compiled else [c for layer in draft.layers for c in (layer.attention_conv, layer.mlp_conv)]
+    for conv in filter(None, convs):
+        patch(conv, "prepare", ranges.wrap(conv.prepare, "conv"))
+        patch(conv, "finish", ranges.wrap(conv.finish, "conv"))
+    if draft.candidate_selector is not None:
+        for name in SELECTOR_CALLS:
+            patch(draft.candidate_selector, name, ranges.wrap(getattr(draft.candidate_selector, name), "selector"))
+
+
 def step_parts(ranges: Ranges, steps: int) -> dict[str, dict[str, float | None]]:
     """Per verify step: the verify; DFlash2's heads, the conv and the selector less the head matmul its candidates
     start with (DFlash's argmax runs the same matmul); the drafter's step less those heads."""
     verify, drafter = ranges.total("verify"), ranges.total("drafter")
-    conv, selector, shared = ranges.total("conv"), ranges.total("selector"), ranges.total("head", "selector")
+    # The drafter's own: the same parts inside a whole step are that step's.
+    conv, selector = ranges.total("conv", "drafter"), ranges.total("selector", "drafter")
+    shared = ranges.total("head", "selector", "drafter")
 
     def combine(*signed: tuple[int, tuple]) -> dict[str, float | None]:
         host = sum(sign * part[0] for sign, part in signed)
@@ -166,11 +183,15 @@ def step_parts(ranges: Ranges, steps: int) -> dict[str, dict[str, float | None]]
         return {"host_ms": host / steps, "device_ms": None if device is None else device / steps}
 
     heads = ((1, conv), (1, selector), (-1, shared))
-    return {
+    parts = {
         "verify": combine((1, verify)),
         "draft": combine((1, drafter), *((-sign, part) for sign, part in heads)),
         "conv_selector": combine(*heads),
     }
+    whole = ranges.total("whole")
+    if whole[2]:  # the steps run whole: draft, verify and bookkeeping in one call, the host's read included
+        parts["whole_step"] = combine((1, whole))
+    return parts
 
 
 def decode(target: Any, draft: DFlash2DraftModel, prompts: list[list[int]], tokens: int, block: int, path: dict) -> Any:
@@ -219,7 +240,7 @@ def profile_path(target: Any, draft: DFlash2DraftModel, prompts: list[list[int]]
         with torch.profiler.profile(activities=activities) as prof:
             run(Ranges(cuda))
         prof.export_chrome_trace(str(args.trace / f"{path['name']}_batch{len(prompts)}.json"))
-    steps = ranges.total("verify")[2]
+    steps = ranges.total("verify")[2] + ranges.total("whole")[2]
     parts = step_parts(ranges, steps)
     step_ms = wall_ms / steps
     num_tokens = sum(len(g.output_ids) for g in out)
@@ -237,6 +258,21 @@ def profile_path(target: Any, draft: DFlash2DraftModel, prompts: list[list[int]]
     }
 
 
+def target_alone(target: Any, prompts: list[list[int]], tokens: int, fast: Any) -> dict[str, Any]:
+    """The target alone on the same prompts, greedy, on the fast loop of `fast` (once untimed: it compiles): its
+    wall time per one-token step, which a speculative step is measured against."""
+    sampling = Sampling(temperature=0.0, batch_size=len(prompts))
+    static_decode.target_generate(target, prompts, tokens, sampling, fast=fast)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = static_decode.target_generate(target, prompts, tokens, sampling, fast=fast)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    steps = max(len(g.output_ids) for g in out) - 1  # after the prefill's token, one step per token
+    return {"wall_ms_per_step": (time.perf_counter() - start) * 1e3 / steps, "compile": fast.compile}
+
+
 def load(args: Any, device: torch.device) -> tuple[Any, DFlash2DraftModel, list[list[int]]]:
     """The target, the drafter and every prompt: --small builds the tiny ones, else SmolLM2 (--dtype) and an export."""
     if args.small:
@@ -252,9 +288,9 @@ def load(args: Any, device: torch.device) -> tuple[Any, DFlash2DraftModel, list[
         lengths = torch.randint(8, 24, (max(args.batch),), generator=g).tolist()
         prompts = [torch.randint(4, target.vocab_size, (n,), generator=g).tolist() for n in lengths]
         return target, draft.to(device).eval(), prompts
+    from dflash2.commands import build
     from dflash2.data.benches import load_prompts
-    from dflash2.evaluation.run import render
-    from dflash2.groups import build
+    from dflash2.evaluation.loading import render
     from dflash2.model.config import DFlash2Config
     from dflash2.target.manifest import MANIFEST_KEY, manifest_chat_template_kwargs
 
@@ -300,9 +336,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target, draft, prompts = load(args, device)
     args.block_size = args.block_size or draft.config.block_size
     mode = args.compile or ("reduce-overhead" if device.type == "cuda" else "none")
-    paths = [{"name": "plain", "fast": None}, {"name": "static", "fast": static_decode.FastDecode()}]
-    if mode != "none":
-        paths.append({"name": "static_compiled", "fast": static_decode.decode_mode("static", mode, device)})
+    pieces = static_decode.FastDecode(whole_step=False)
+    paths = [{"name": "plain", "fast": None}, {"name": "static", "fast": pieces}]
+    if mode == "none":
+        paths.append({"name": "whole", "fast": static_decode.FastDecode()})
+    else:
+        compiled = static_decode.decode_mode("static", mode, device)
+        paths.append({"name": "static_compiled", "fast": dataclasses.replace(compiled, whole_step=False)})
+        paths.append({"name": "whole_compiled", "fast": compiled})
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -323,10 +364,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row: dict[str, Any] = {"batch": batch, "paths": {}}
         for path in paths:
             row["paths"][path["name"]] = profile_path(target, draft, prompts[:batch], args, path)
+        row["target_alone"] = target_alone(target, prompts[:batch], args.tokens, paths[-1]["fast"])
         outputs = [p.pop("output_ids") for p in row["paths"].values()]
         row["identical_outputs"] = all(o == outputs[0] for o in outputs)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=2) + "\n")  # after every batch size: a cut-off run keeps them
+        alone = row["target_alone"]
+        print(f"batch {batch:3d} target alone     {alone['wall_ms_per_step']:7.2f} ms/step (its last path's loop)")
         for name, p in row["paths"].items():
             shares = ", ".join(f"{k} {v['host_ms']:.2f}" for k, v in p["parts"].items())
             print(

@@ -3,7 +3,7 @@
     python benchmarks/decode_step.py [--batch 64 256 512] [--cache-len 3072] [--context 1024] [--out FILE]
     python benchmarks/decode_step.py --small --out /tmp/decode_step.json   # the tiny target: seconds on a CPU
 
-One step is what `python -m dflash2.data.regenerate cache_implementation=static` repeats: the embedded SmolLM2 in
+One step is what `python -m dflash2.commands.regenerate cache_implementation=static` repeats: the embedded SmolLM2 in
 bf16, a StaticCache of --cache-len positions of which --context are filled (the first row left-padded, so there is a
 mask), one new token per row. On a GPU the forward is compiled the way transformers' generate compiles it
 (mode="reduce-overhead", i.e. replayed as a CUDA graph) and timed with CUDA events; each figure is the median of
@@ -27,7 +27,7 @@ import transformers
 import yaml
 from transformers import StaticCache
 
-from dflash2.groups import build
+from dflash2.commands import build
 from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target
 

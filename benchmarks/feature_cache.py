@@ -30,9 +30,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import train_throughput as bench  # noqa: E402
 from timing import sync  # noqa: E402
 
+from dflash2.commands.train_groups import draft_config  # noqa: E402
 from dflash2.data import feature_store as fs  # noqa: E402
 from dflash2.data import features as fc  # noqa: E402
-from dflash2.training import drafter  # noqa: E402
+from dflash2.training.drafter import target_fields  # noqa: E402
 
 
 def timed_steps(preset: str, target: Any, batch: dict, args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -53,7 +54,7 @@ def run_preset(preset: str, args: argparse.Namespace, folder: pathlib.Path) -> d
     cfg = bench.compose_preset(preset, args.small, args.override)
     torch.manual_seed(0)
     target = bench.build_target(preset, cfg, args.small, device, args.random_weights).to(device)
-    draft = drafter.draft_config(cfg.draft, drafter.target_fields(target))
+    draft = draft_config(cfg.draft, target_fields(target))
     pad = getattr(target.tokenizer, "pad_token_id", None) or 0
     batch = bench.synthetic_batch(cfg, draft, target.vocab_size, pad)
     b, length = batch["input_ids"].shape

@@ -1,4 +1,4 @@
-"""The fused head's top-K on one GPU: `grouped_topk` (dflash2/training/losses.py) against `torch.topk`.
+"""The fused head's top-K on one GPU: `grouped_topk` (dflash2/training/head.py) against `torch.topk`.
 
     python benchmarks/topk.py [--out benchmarks/results/topk.json]
 
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from dflash2.training.losses import grouped_topk
+from dflash2.training.head import grouped_topk
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import median_ms, print_table  # noqa: E402

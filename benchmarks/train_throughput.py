@@ -43,13 +43,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
+from dflash2.commands.resolvers import register_resolvers
+from dflash2.commands.train_groups import build_module as build_train_module
+from dflash2.commands.train_groups import draft_config, target_and_draft
 from dflash2.model.config import DFlash2Config
 from dflash2.target.model import TargetModel
 from dflash2.testing import tiny_target_path
-from dflash2.training.drafter import draft_config, target_fields
+from dflash2.training.drafter import target_fields
 from dflash2.training.module import DFlash2Module
-from dflash2.training.run import build_module as build_train_module
-from dflash2.training.run import register_resolvers, target_and_draft
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RANGES = ("target", "block_mask", "draft", "losses")  # the record_function labels of DFlash2Module's forward
@@ -134,7 +135,7 @@ def synthetic_loss_mask(length: int) -> torch.Tensor:
 def synthetic_batch(cfg: DictConfig, draft: DFlash2Config, vocab: int, pad_token_id: int) -> dict[str, torch.Tensor]:
     """A batch from the data module's own collator: full-length rows, an untrained prompt, then the reply."""
     from dflash2.data.anchors import sample_anchors
-    from dflash2.data.datamodule import BlockCollator
+    from dflash2.data.collate import BlockCollator
 
     generator = torch.Generator().manual_seed(0)
     length = int(cfg.data.max_length)

@@ -5,6 +5,7 @@ cache (it must compute what the model's own DraftCache computes) and the trainin
 must equal what torch's FLOP counter sees in a real step).
 """
 
+import gzip
 import importlib.util
 import json
 import math
@@ -192,10 +193,12 @@ def test_decode_profile_small_splits_each_paths_steps(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["timer"] == "cpu_wall" and [r["batch"] for r in result["rows"]] == [1, 2]
     for row in result["rows"]:
-        assert row["identical_outputs"] and set(row["paths"]) == {"plain", "static"}  # no compile by default on a CPU
-        for path in row["paths"].values():
+        # No compile by default on a CPU: the step in pieces and whole, both eager.
+        assert row["identical_outputs"] and set(row["paths"]) == {"plain", "static", "whole"}
+        assert finite_positive(row["target_alone"]["wall_ms_per_step"])
+        for name, path in row["paths"].items():
             parts = path["parts"]
-            assert set(parts) == {"verify", "draft", "conv_selector"}
+            assert set(parts) == {"verify", "draft", "conv_selector"} | ({"whole_step"} if name == "whole" else set())
             assert all(finite_positive(p["host_ms"]) and p["device_ms"] is None for p in parts.values()), path
             assert path["other_host_ms"] >= 0 and path["syncs_per_step"] is None
             total = sum(p["host_ms"] for p in parts.values()) + path["other_host_ms"]
@@ -420,3 +423,43 @@ def test_draft_attention_small_and_its_pair_count(tmp_path):
     anchors = bench.training_blocks(rows, length, n, seed=random.randrange(2**31))
     mask = dense_block_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), length, block)
     assert bench.attended_pairs(anchors, block) == int(mask.sum())
+
+
+# ---------------------------------------------------------------------------------------------- train_speed.py
+def test_train_speed_runs_the_parts_asked_for_with_their_settings(tmp_path):
+    """--dry-run lists each part's commands, and only the parts asked for: the equal-steps trainings at --steps and
+    --val (the plain one on the PyTorch path), the throughput runs' JSON under --out, the epoch's overrides last."""
+    bench = load("train_speed")
+    out, steps = tmp_path / "out", random.randint(2, 500)
+    names = lambda result: [c["name"] for c in result["commands"]]  # noqa: E731
+    result = bench.main(["--out", str(out), "--dry-run", "--steps", str(steps), "--val", "7"])
+    assert names(result) == ["plain", "fast", "gpu_tests", *(f"throughput_{n}" for n in bench.THROUGHPUT), "epoch"]
+    commands = {c["name"]: c["command"] for c in result["commands"]}
+    for name in ("plain", "fast"):
+        assert {f"trainer.max_steps={steps}", "trainer.val_check_interval=7"} <= set(commands[name])
+        assert f"run_dir={out / 'work' / 'runs' / name}" in commands[name]
+    assert set(bench.PLAIN) <= set(commands["plain"]) and not set(bench.PLAIN) & set(commands["fast"])
+    assert all(
+        commands[f"throughput_{n}"][-2:] == ["--out", str(out / f"train_throughput_{n}.json")] for n in bench.THROUGHPUT
+    )
+    assert not out.exists()  # a dry run writes nothing
+
+    result = bench.main(["--out", str(out), "--dry-run", "--parts", "epoch", "--epoch-override", "data.batch_size=16"])
+    assert names(result) == ["epoch"]
+    assert result["commands"][0]["command"][-2:] == ["trainer.max_epochs=1", "data.batch_size=16"]
+
+
+def test_train_speed_trains_on_the_regenerated_parts_made_one_file(tmp_path, monkeypatch):
+    bench = load("train_speed")
+    rng = random.Random(random.randrange(2**63))
+    parts = [[json.dumps({"id": f"{p}-{i}"}) + "\n" for i in range(rng.randint(1, 5))] for p in range(4)]
+    paths = []
+    for p, lines in enumerate(parts):
+        paths.append(tmp_path / f"part{p}.jsonl.gz")
+        paths[-1].write_bytes(gzip.compress("".join(lines).encode()))
+    monkeypatch.setattr(bench, "DATA_PARTS", [str(p) for p in paths])
+    bench.regenerated_set(tmp_path)
+    assert (tmp_path / "smollm2.jsonl").read_text() == "".join(line for lines in parts for line in lines)
+    paths[0].unlink()  # made once: a rerun keeps the file
+    bench.regenerated_set(tmp_path)
+    assert (tmp_path / "smollm2.jsonl").read_text().count("\n") == sum(map(len, parts))

@@ -23,7 +23,8 @@ from dflash2.data.anchors import (
     sample_anchors,
 )
 from dflash2.data.chat import load_conversations, render
-from dflash2.data.datamodule import AnchoredRows, DFlashDataModule, Draw
+from dflash2.data.datamodule import DFlashDataModule
+from dflash2.data.sampling import AnchoredRows, Draw
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -186,7 +187,34 @@ def test_malformed_record_is_named(tmp_path, turn, problem):
     with pytest.raises(ValueError) as err:
         load_conversations(path)
     message = str(err.value)
-    assert path in message and "record 2" in message and bad_id in message and problem in message
+    assert path in message and "line 3 " in message and bad_id in message and problem in message
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "list"])
+def test_every_message_names_a_bad_records_line_as_editors_number_it(tmp_path, layout):
+    """A record that is not valid JSON and a malformed record are named by the same 1-based line: the line it starts
+    on, where the file holds each record on lines of its own (a JSON list written with an indent, or JSON lines)."""
+    rng = random.Random(random.randrange(2**63))
+    good = {"id": "good", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    malformed = {"id": "bad", "conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]}
+    before = [dict(good, id=f"good{i}") for i in range(rng.randint(1, 30))]
+    if layout == "jsonl":
+        lines = [json.dumps(r) for r in before] + [""] * rng.randint(0, 3)  # blank lines count as editors count them
+        line = len(lines) + 1
+        texts = ["\n".join([*lines, json.dumps(malformed)]), "\n".join([*lines, '{"id": "bad", "conversations": ['])]
+    else:
+        head = json.dumps(before, indent=2)[:-2] + ",\n"  # the list, open after its records
+        line = head.count("\n") + 1
+        texts = [head + json.dumps(malformed) + "\n]", head + '{"id": "bad", "conversations": [}\n]']
+    errors = []
+    for k, text in enumerate(texts):
+        path = tmp_path / f"chats{k}.{layout}"
+        path.write_text(text)
+        with pytest.raises(ValueError) as err:
+            load_conversations(str(path))
+        errors.append(str(err.value))
+    assert f"chats0.{layout}: line {line} (id='bad')" in errors[0] and "unknown role 'robot'" in errors[0], errors
+    assert f"chats1.{layout}: line {line} is not valid JSON" in errors[1], errors
 
 
 def test_packaged_sharegpt_never_yields_the_benchmark_tail(tmp_path, monkeypatch):
@@ -549,7 +577,7 @@ def test_flex_kernel_options_agree_with_dense_attention_on_cuda():
 
 @pytest.mark.parametrize("block_size", [4, 5])
 def test_collator_rounds_shapes_up_and_the_padding_trains_nothing(block_size):
-    from dflash2.data.datamodule import BlockCollator
+    from dflash2.data.collate import BlockCollator
 
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     rows = []
@@ -713,7 +741,7 @@ def test_cached_preparation_and_source_log(tokenizer, tmp_path, cache, caplog):
     with caplog.at_level(logging.INFO, logger="dflash2.data"):
         dm = make_module(tokenizer, None, cache, limit=20, max_length=128)
         dm.setup("fit")
-    assert "training on the original replies" in caplog.text and "dflash2.data.regenerate" in caplog.text
+    assert "training on the original replies" in caplog.text and "dflash2.commands.regenerate" in caplog.text
     again = make_module(tokenizer, None, cache, limit=20, max_length=128)
     again.setup("fit")
     assert dm.train_rows["input_ids"] == again.train_rows["input_ids"]

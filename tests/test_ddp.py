@@ -22,10 +22,11 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from training_setup import config
 
-from dflash2.data.datamodule import BlockCollator, GlobalBatchSampler
+from dflash2.commands.train import run as train
+from dflash2.data.collate import BlockCollator
+from dflash2.data.sampling import GlobalBatchSampler
 from dflash2.model.selector import CandidateSelector
-from dflash2.training.losses import draft_losses, slot_weights
-from dflash2.training.run import train
+from dflash2.training.losses import DraftSlots, SlotLoss, slot_weights
 
 WORLD = 2
 ROWS = 3  # per rank; the single run takes WORLD * ROWS
@@ -187,10 +188,8 @@ def test_the_ranks_losses_average_to_the_global_batchs_loss_and_gradient(dpace, 
 
     def step(rows: slice, rank_mean=None):
         x = hidden[rows].clone().requires_grad_()
-        out = draft_losses(
-            x, labels[rows], anchors[rows], head, v, slot_weights(s + 1), sel, fused=fused, dpace_alpha=dpace,
-            rank_mean=rank_mean,
-        )  # fmt: skip
+        slot_loss = SlotLoss(slot_weights(s + 1), dpace_alpha=dpace, fused=fused)
+        out = slot_loss(DraftSlots(x, labels[rows], anchors[rows]), head, sel, rank_mean)
         loss = out.ce + out.selector
         return loss.detach(), torch.autograd.grad(loss, [x, *params])
 
@@ -261,7 +260,7 @@ def test_padding_rows_have_no_trained_block():
 def test_fsdp_on_the_cpu_is_refused_before_training(chats, tmp_path):
     """trainer=fsdp cannot run on CPU processes: Lightning's FSDP strategy takes GPUs only, and says so when the Trainer
     is built, before any step (the DDP parity above is what FSDP's gradient averaging relies on too)."""
-    from dflash2.training.checks import check_config
+    from dflash2.commands.train_checks import check_config
 
     overrides = ("trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true")
     cfg = config(chats, tmp_path, *overrides, "logger=none")

@@ -14,11 +14,19 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dflash2 import DFlash2DraftModel
+from dflash2.commands.evaluate import evaluate, settings_of
 from dflash2.decoding.lookup import PromptLookup
 from dflash2.evaluation.copy_gap import lookup_accepts
+from dflash2.evaluation.loading import read_tau_sim
 from dflash2.evaluation.report import COPY_GAP_KEYS, format_table
-from dflash2.evaluation.run import acceptance_stats, evaluate, read_tau_sim
-from dflash2.evaluation.sweep import COLUMNS, NOTE_SEPARATOR, copy_gap_figure, format_summary, summary_table
+from dflash2.evaluation.run import acceptance_stats
+from dflash2.evaluation.sweep import (
+    NOTE_SEPARATOR,
+    copy_gap_figure,
+    format_summary,
+    summary_columns,
+    summary_table,
+)
 from dflash2.target.manifest import MANIFEST_KEY, build_manifest, target_identity
 from dflash2.testing import tiny_draft_config, tiny_target, tiny_target_path
 
@@ -121,17 +129,17 @@ def test_a_rerun_keeps_finished_runs_of_the_same_settings(tiny, tmp_path, monkey
 
     draft = export_draft(tiny, tmp_path / "draft")
     overrides = [f"drafter={draft}", "bench.limit=2", "max_new_tokens=6"]
-    first = evaluation.main(config(*overrides), tmp_path / "run")
+    first = evaluate(config(*overrides), tmp_path / "run")
     assert first["config"]["bench"]["limit"] == 2 and "wandb" not in first["config"]
     calls = []
     real = evaluation.generate_turns
     monkeypatch.setattr(evaluation, "generate_turns", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert evaluation.main(config(*overrides, "wandb.project=elsewhere"), tmp_path / "run") == first
+    assert evaluate(config(*overrides, "wandb.project=elsewhere"), tmp_path / "run") == first
     assert calls == []  # nothing decoded again
-    again = evaluation.main(config(*overrides, "temperature=1"), tmp_path / "run")
+    again = evaluate(config(*overrides, "temperature=1"), tmp_path / "run")
     assert calls == [1] and again["temperature"] == 1 and read_run(tmp_path / "run")[0] == again
     (tmp_path / "run" / "results.json").write_text('{"tau": 1.')  # a torn file does not count as finished
-    assert evaluation.finished_run(config(*overrides, "temperature=1"), tmp_path / "run") is None
+    assert evaluation.finished_run(settings_of(config(*overrides, "temperature=1")), tmp_path / "run") is None
 
 
 def test_second_turns_follow_the_first_answers(tiny, tmp_path, monkeypatch):
@@ -160,7 +168,7 @@ def test_repeated_passes_give_median_speeds_and_a_paired_speedup(tiny, tmp_path,
     calls = []
     real = evaluation.generate_turns
     monkeypatch.setattr(
-        evaluation, "generate_turns", lambda t, d, *a, **k: calls.append((d is None, a[-1])) or real(t, d, *a, **k)
+        evaluation, "generate_turns", lambda d, *a, **k: calls.append((d.proposer is None, a[-1])) or real(d, *a, **k)
     )
     overrides = ["bench.limit=2", "max_new_tokens=6", "temperature=0", "baseline=true", "repeats=3"]
     results = evaluate(config(f"drafter={draft}", *overrides), tmp_path / "run")
@@ -216,9 +224,9 @@ def test_prompt_lookup_runs_without_a_drafter(tiny, tmp_path):
     ],
 )
 def test_prompt_lookup_settings_are_checked_before_loading_a_target(tmp_path, monkeypatch, override, message):
-    from dflash2.evaluation import run as evaluation
+    from dflash2.commands import evaluate as command
 
-    monkeypatch.setattr(evaluation, "load_target", lambda *a: pytest.fail("the target was loaded first"))
+    monkeypatch.setattr(command, "_load_target", lambda *a: pytest.fail("the target was loaded first"))
     with pytest.raises(ValueError, match=message):
         evaluate(config("drafter=pld", override), tmp_path / "run")
 
@@ -241,15 +249,17 @@ def test_tau_sim_comes_from_the_exports_data_not_its_readme(tmp_path):
 
 
 def test_an_evaluation_reads_tau_sim_from_config_json_alone(tiny, tmp_path):
-    from dflash2.evaluation.run import describe_draft
+    from dflash2.evaluation.loading import Loaded, describe_draft
+
+    def described(folder):
+        loaded = Loaded(tiny, DFlash2DraftModel.from_pretrained(folder), {}, True)
+        return describe_draft(settings_of(config(f"drafter={folder}", "block_size=4")), loaded)
 
     draft = export_draft(tiny, tmp_path / "draft", tau_sim=1.75)
     assert "9.75" in (draft / "README.md").read_text()  # the card says otherwise: it is for people
-    described = describe_draft(config(f"drafter={draft}"), DFlash2DraftModel.from_pretrained(draft), True, 4)
-    assert read_tau_sim(described["manifest"]) == 1.75
+    assert read_tau_sim(described(draft)["manifest"]) == 1.75
     bare = export_draft(tiny, tmp_path / "bare")
-    described = describe_draft(config(f"drafter={bare}"), DFlash2DraftModel.from_pretrained(bare), True, 4)
-    assert read_tau_sim(described["manifest"]) is None
+    assert read_tau_sim(described(bare)["manifest"]) is None
 
 
 def evaluate_cli(cwd: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
@@ -299,7 +309,7 @@ def test_sweep_writes_runs_summary_and_plots(sweep):
         assert len(rows) == 4 and set(rows["temperature"]) == {0.0, 1.0}
     assert (drafter["tau_sim"] == 1.5).all() and lookup["tau_sim"].isna().all()
     assert (lookup["block_size"] == 16).all() and (lookup["tau"] >= 1).all()
-    assert list(table.columns) == COLUMNS
+    assert list(table.columns) == summary_columns(hybrid=False)
     greedy, sampled = drafter[drafter["temperature"] == 0], drafter[drafter["temperature"] == 1]
     assert greedy["copyable_share"].between(0, 1).all() and greedy["tau_other"].notna().all()
     assert sampled[list(COPY_GAP_KEYS)].isna().all().all() and lookup[list(COPY_GAP_KEYS)].isna().all().all()
@@ -400,24 +410,39 @@ def test_copy_gap_plot_shows_each_greedy_drafter_run():
     assert copy_gap_figure(summary_table(runs[3:])) is None  # nothing to show: no plot
 
 
-def test_wandb_summary_has_the_copy_gap(monkeypatch, tmp_path):
-    from dflash2.evaluation.report import log_wandb
-
+def fake_wandb(monkeypatch, tmp_path) -> dict:
+    """A stand-in for the wandb module whose one run's summary is the dict returned."""
     summary = {}
-    run = types.SimpleNamespace(log=lambda *a, **k: None, summary=summary, finish=lambda: None)
+    run = types.SimpleNamespace(
+        log=lambda *a, **k: None,
+        summary=summary,
+        finish=lambda: None,
+        dir=str(tmp_path),
+        settings=types.SimpleNamespace(mode="offline"),
+    )
     fake = types.SimpleNamespace(
         init=lambda **k: run,
+        Settings=lambda **k: None,
         Table=lambda **k: None,
         plot=types.SimpleNamespace(line=lambda *a, **k: None, bar=lambda *a, **k: None),
     )
     monkeypatch.setitem(sys.modules, "wandb", fake)
+    return summary
+
+
+def test_wandb_summary_has_the_copy_gap(monkeypatch, tmp_path):
+    from dflash2.evaluation.report import log_wandb
+    from dflash2.evaluation.settings import WandbSettings
+
+    summary = fake_wandb(monkeypatch, tmp_path)
+    settings = types.SimpleNamespace(wandb=WandbSettings(), config={})
     results = hand_run() | {"per_position_accept": [0.5], "accept_hist": [1, 1]}
     results["copy_gap"]["tau_other"] = None  # every step copyable: nothing to log there
-    log_wandb(config("drafter=x"), results, tmp_path)
+    log_wandb(settings, results, tmp_path)
     gap = {k.removeprefix("copy_gap/"): v for k, v in summary.items() if k.startswith("copy_gap/")}
     assert gap == {k: v for k, v in results["copy_gap"].items() if k not in ("lookup", "tau_other")}
     summary.clear()
-    log_wandb(config("drafter=x"), hand_run(temperature=1.0) | {"per_position_accept": [], "accept_hist": []}, tmp_path)
+    log_wandb(settings, hand_run(temperature=1.0) | {"per_position_accept": [], "accept_hist": []}, tmp_path)
     assert summary and not [k for k in summary if k.startswith("copy_gap/")]
 
 
@@ -549,19 +574,39 @@ def test_a_graph_compiled_inside_a_timed_pass_is_reported(tiny, monkeypatch, cap
     from torch._dynamo.utils import counters
 
     from dflash2.decoding.speculative import Generation
-    from dflash2.evaluation import run as evaluation
+    from dflash2.evaluation.turns import generate_turns
 
     compiles = []
 
-    def decode(target, draft, prompt_ids, settings, generator, on_commit=None):
-        counters["stats"]["unique_graphs"] += compiles.pop() if compiles else 0
-        return [Generation([5], []) for _ in prompt_ids]
+    class Decoder:  # the target alone, each pass compiling what `compiles` says
+        target, proposer = tiny, None
 
-    monkeypatch.setattr(evaluation, "decode", decode)
+        def __call__(self, prompt_ids, generator, on_commit=None):
+            counters["stats"]["unique_graphs"] += compiles.pop() if compiles else 0
+            return [Generation([5], []) for _ in prompt_ids]
+
     prompts = [{"id": "a", "turns": ["Hi."]}]
-    settings = dict(max_new_tokens=4)
     for built, warned in ((0, False), (2, True)):
         caplog.clear()
         compiles.append(built)
-        evaluation.generate_turns(tiny, None, prompts, settings, True, torch.Generator(), warmup=False)
+        generate_turns(Decoder(), prompts, True, None, torch.Generator(), warmup=False)
         assert ("2 graph(s) compiled inside the timed pass" in caplog.text) is warned
+
+
+def test_one_evaluation_lints_its_drafter_once(tiny, tmp_path, monkeypatch):
+    """Hydra's callback checks the settings before the run folder exists, then the run builds them: the drafter folder
+    is linted once for both, and again only when it changes."""
+    from dflash2.commands.evaluate import CheckSettings
+    from dflash2.evaluation import checks
+
+    draft = export_draft(tiny, tmp_path / "draft")
+    calls = []
+    real = checks.lint
+    monkeypatch.setattr(checks, "lint", lambda folder: calls.append(folder) or real(folder))
+    cfg = config(f"drafter={draft}", "bench.limit=1", "max_new_tokens=4")
+    CheckSettings().on_run_start(cfg)
+    evaluate(cfg, tmp_path / "run")
+    assert len(calls) == 1
+    (draft / "config.json").write_text((draft / "config.json").read_text() + "\n")  # rewritten: checked again
+    evaluate(config(f"drafter={draft}", "bench.limit=1", "max_new_tokens=3"), tmp_path / "run2")
+    assert len(calls) == 2

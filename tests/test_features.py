@@ -23,12 +23,13 @@ import pytest
 import torch
 from training_setup import config
 
+from dflash2.commands import train_checks as checks
+from dflash2.commands.features import run as features_command
+from dflash2.commands.train import run as train
+from dflash2.commands.train_groups import build_data, target_and_draft
 from dflash2.data import feature_store as fs
 from dflash2.data import features as fc
-from dflash2.training import checks
-from dflash2.training.features import run as features_command
 from dflash2.training.module import DFlash2Module
-from dflash2.training.run import build_data, target_and_draft, train
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_copy_weighted_training_anchors_are_drawn_alike_from_the_cache(setup):
     draws from its rows (cut after their last trained token) are the online run's, row by row and epoch by epoch."""
     from omegaconf import open_dict
 
-    from dflash2.data.datamodule import Draw
+    from dflash2.data.sampling import Draw
 
     cfg, target, draft, rows, caches = setup
     cfg = cfg.copy()
@@ -186,7 +187,7 @@ def test_a_cache_of_other_settings_is_refused_by_the_setting_that_differs(setup,
 
 
 def test_extra_files_are_cached_after_the_main_files_rows_each_row_with_its_own_features(setup, chats, tmp_path):
-    """`python -m dflash2.data.features` with data.extra_paths: the training and validation rows of the run built
+    """`python -m dflash2.commands.features` with data.extra_paths: the training and validation rows of the run built
     from the cache are the online run's, and each finds the target's features of its own tokens (within bf16's
     rounding); a changed extra file is refused by name."""
     from hydra import compose, initialize_config_dir

@@ -1,12 +1,13 @@
 """Imports inside dflash2 run one way: no module imports, directly or through others, a module that imports it, and
 no package imports one above it in the layers (infrastructure < model < target < decoding < data < training < export
-< evaluation < studies; dflash2.cli may import anything, dflash2.testing sits with the target).
+< evaluation < studies < commands; dflash2.testing sits with the target). Only dflash2.commands knows Hydra: no other
+module imports hydra or omegaconf, so the library takes plain values and runs without a config.
 
-Every import counts, at module level (TYPE_CHECKING blocks included) and inside functions: a function-level import
-that closes a cycle only hides it until the function runs. A package's `__init__` running before its submodules is
-not an edge of its own (it would make every package that re-exports a submodule look cyclic), and neither is a
-module's `if __name__ == "__main__":` block: it runs only when the file is the command (`python -m ...`), as a
-module of its own, `__main__`, so it hands over to dflash2.cli like any entry point.
+Every import counts, at module level (TYPE_CHECKING blocks included), inside functions and in a module's
+`if __name__ == "__main__":` block: a function-level import that closes a cycle only hides it until the function runs,
+and a module run as a command (`python -m ...`) is imported a second time by whatever it imports that imports it. A
+package's `__init__` running before its submodules is not an edge of its own (it would make every package that
+re-exports a submodule look cyclic).
 """
 
 from __future__ import annotations
@@ -28,25 +29,9 @@ def module_names(package: Path) -> dict[str, Path]:
     return names
 
 
-def is_main_block(node: ast.AST) -> bool:
-    """`if __name__ == "__main__":`"""
-    test = node.test if isinstance(node, ast.If) else None
-    return (
-        isinstance(test, ast.Compare)
-        and isinstance(test.left, ast.Name)
-        and test.left.id == "__name__"
-        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
-    )
-
-
 def imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of a module, wherever it stands, but in its `__main__` block."""
-    found, todo = [], [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        todo += [child for child in ast.iter_child_nodes(node) if not is_main_block(child)]
+    """Every import statement of a module, wherever it stands."""
+    found = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
     return sorted(found, key=lambda node: node.lineno)
 
 
@@ -135,19 +120,18 @@ def test_a_cycle_through_a_function_level_or_relative_import_is_found(tmp_path):
 
 # The layers, low to high: a module imports its own layer's modules and lower ones only. A package's top folder names
 # its layer; the infrastructure is flat; the package itself (dflash2/__init__.py) is the drafter's public API.
-LAYERS = ("infrastructure", "model", "target", "decoding", "data", "training", "export", "evaluation", "studies")
-INFRASTRUCTURE = {"groups", "cache", "downloads", "progress"}
-ANYTHING = {"cli"}  # above every layer: it may import any module, and none imports it
+LAYERS = ("infrastructure", "model", "target", "decoding", "data", "training", "export", "evaluation", "studies",
+          "commands")  # fmt: skip
+INFRASTRUCTURE = {"cache", "downloads", "errors", "progress"}
 FLAT = {"testing": "target"}  # the tiny random target of the tests, benchmarks and study rehearsals
+HYDRA = ("hydra", "omegaconf")  # the config libraries, dflash2.commands' alone
 
 
 def layer_of(module: str) -> int | None:
-    """The layer of a module of the package (its index in LAYERS; len(LAYERS) for cli), None if none."""
+    """The layer of a module of the package (its index in LAYERS), None if none."""
     top = module.split(".")[1] if "." in module else None
     if top is None:
         return LAYERS.index("model")
-    if top in ANYTHING:
-        return len(LAYERS)
     if top in INFRASTRUCTURE:
         return 0
     if top in FLAT:
@@ -173,23 +157,60 @@ def test_dflash2_imports_run_down_the_layers():
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
-def test_an_upward_import_inside_a_function_is_found_and_a_main_block_is_not(tmp_path):
-    """The check itself, on a small package of the same layout: a function-level import of a higher layer is reported
-    with its file and line; the module's `__main__` block, handing over to cli, is no import of the package's."""
+def test_an_upward_import_inside_a_function_or_a_main_block_is_found(tmp_path):
+    """The check itself, on a small package of the same layout: a function-level import of a higher layer, and one in
+    the module's `__main__` block (a data module handing over to its command), are reported with file and line."""
     package = tmp_path / "dflash2"
-    for folder in ("data", "training"):
+    for folder in ("data", "training", "commands"):
         (package / folder).mkdir(parents=True)
         (package / folder / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    (package / "cli.py").write_text("from dflash2.data import features\n")
+    (package / "commands" / "features.py").write_text("from dflash2.data import features\n")
     (package / "training" / "run.py").write_text("from dflash2.data.features import write\n")
-    (package / "data" / "features.py").write_text(
-        "def write():\n    return 1\n\n\nif __name__ == '__main__':\n    from dflash2 import cli\n"
-    )
+    (package / "data" / "features.py").write_text("def write():\n    return 1\n")
     assert upward_imports(import_graph(package)) == []
+    (package / "data" / "features.py").write_text(
+        "def write():\n    return 1\n\n\nif __name__ == '__main__':\n    from dflash2.commands import features\n"
+    )
+    assert upward_imports(import_graph(package)) == [
+        "dflash2/data/features.py:6  dflash2.data.features -> dflash2.commands.features"
+    ]
     (package / "data" / "features.py").write_text(
         "def write():\n    from dflash2.training.run import write\n\n    return write\n"
     )
     assert upward_imports(import_graph(package)) == [
         "dflash2/data/features.py:2  dflash2.data.features -> dflash2.training.run"
     ]
+
+
+def hydra_imports(package: Path) -> list[str]:
+    """Every import of hydra or omegaconf by a module outside the package's commands, as "file:line  module"."""
+    found = []
+    for name, file in module_names(package).items():
+        if name == f"{package.name}.commands" or name.startswith(f"{package.name}.commands."):
+            continue
+        for node in imports(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative: the package's own
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n.split(".")[0] in HYDRA for n in names):
+                found.append(f"{file.relative_to(package.parent)}:{node.lineno}  {', '.join(names)}")
+    return found
+
+
+def test_only_the_commands_import_hydra_or_omegaconf():
+    found = hydra_imports(DFLASH2)
+    assert not found, "hydra/omegaconf imported outside dflash2/commands/:\n" + "\n".join(found)
+
+
+def test_a_hydra_import_outside_the_commands_is_found(tmp_path):
+    """The check itself: a function-level `from omegaconf import ...` in a library module is reported; the same
+    import in dflash2/commands/ is not."""
+    package = tmp_path / "dflash2"
+    for folder in ("training", "commands"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "commands" / "train.py").write_text("import hydra\nfrom omegaconf import DictConfig\n")
+    (package / "training" / "run.py").write_text("def f():\n    from omegaconf import OmegaConf\n\n    return 1\n")
+    assert hydra_imports(package) == ["dflash2/training/run.py:2  omegaconf"]

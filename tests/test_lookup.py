@@ -58,15 +58,17 @@ def test_prompt_lookup_greedy_output_is_the_targets_greedy_output(tiny, block_si
     assert any(after < before for _, _, before, after in steps)  # the target's cache alone was compacted
 
 
-def lookup_reference(tokens, max_ngram, min_ngram, num_tokens, width, filler):
-    """The rule written the plainest way, on one list of tokens."""
+def lookup_reference(tokens, max_ngram, min_ngram, num_tokens, width, filler, with_match=False):
+    """The rule written the plainest way, on one list of tokens; `with_match`: also the length of the n-gram that
+    matched and how many proposals come from the text (0 and 0 where nothing matches)."""
     for n in range(max_ngram, min_ngram - 1, -1):
         suffix = tokens[len(tokens) - n :]
         starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == suffix]
         if starts:
-            proposal = tokens[starts[-1] + n :][: min(num_tokens, width)]
-            return proposal + [filler] * (width - len(proposal))
-    return [filler] * width
+            taken = tokens[starts[-1] + n :][: min(num_tokens, width)]
+            proposal = taken + [filler] * (width - len(taken))
+            return (proposal, n, len(taken)) if with_match else proposal
+    return ([filler] * width, 0, 0) if with_match else [filler] * width
 
 
 def test_prompt_lookup_proposes_what_the_ngram_rule_gives():
@@ -102,8 +104,13 @@ def test_prompt_lookup_proposes_what_the_ngram_rule_gives():
         max_n = int(torch.randint(1, 5, (), generator=g))
         min_n = int(torch.randint(1, max_n + 1, (), generator=g))
         k = int(torch.randint(1, 8, (), generator=g))
-        want = [lookup_reference(r, max_n, min_n, k, 7, F) for r in rows]
-        assert propose(rows, max_ngram=max_n, min_ngram=min_n, num_tokens=k) == want
+        want = [lookup_reference(r, max_n, min_n, k, 7, F, with_match=True) for r in rows]
+        assert propose(rows, max_ngram=max_n, min_ngram=min_n, num_tokens=k) == [p for p, _, _ in want]
+        lookup = PromptLookup(max_ngram=max_n, min_ngram=min_n, num_tokens=k)
+        lengths = torch.tensor([len(r) for r in rows])
+        follow, ngram = lookup.find(torch.tensor([r + [7] * (30 - len(r)) for r in rows]), lengths)
+        assert ngram.tolist() == [n for _, n, _ in want]
+        assert lookup.available(lengths, follow, 8).tolist() == [taken for _, _, taken in want]
 
 
 def test_prompt_lookup_at_every_prefix_is_the_lookup_of_each_prefix():
@@ -131,6 +138,8 @@ def test_prompt_lookup_at_every_prefix_is_the_lookup_of_each_prefix():
         counted = torch.rand(length, generator=g) < 0.9
         proposals = lookup.lookup(text.expand(length, -1), torch.arange(1, length + 1), block_size)
         follows, matched = lookup.follows(text), lookup.matched_lengths(text, block_size, counted)
+        _, ngram = lookup.find(text.expand(length, -1), torch.arange(1, length + 1))
+        assert torch.equal(lookup.matches(text)[1], ngram), f"seed {seed}"
         for a in range(length):
             proposal, f = proposals[a].tolist(), int(follows[a])
             taken = [int(text[f + j]) if f >= 0 and f + j <= a and j < k else -1 for j in range(block_size - 1)]

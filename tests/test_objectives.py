@@ -7,8 +7,10 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from dflash2.training.losses import IGNORE, dpace_weights, draft_losses, slot_weights
+from dflash2.model.selector import CandidateSelector
+from dflash2.training.losses import IGNORE, DraftSlots, SlotLoss, dpace_weights, slot_weights
 from dflash2.training.objectives import Objective
 
 
@@ -70,7 +72,7 @@ def test_dpace_loss_and_gradient_are_the_loops(fused):
     seed = random.randrange(2**31)
     hidden, labels, anchors, head, _ = losses_case(seed)
     alpha, decay = 0.4, slot_weights(labels.shape[-1] + 1)
-    out = draft_losses(hidden, labels, anchors, head, head.shape[0], decay, fused=fused, dpace_alpha=alpha)
+    out = SlotLoss(decay, dpace_alpha=alpha, fused=fused)(DraftSlots(hidden, labels, anchors), head)
     (grad,) = torch.autograd.grad(out.ce, hidden)
 
     terms, weights, decay_terms, decay_sum = [], [], [], 0.0
@@ -104,7 +106,7 @@ def test_decayed_self_distillation_is_the_loop(fused):
     hidden, labels, anchors, head, gen = losses_case(seed)
     teacher = torch.randn(*hidden.shape, generator=gen)
     decay = slot_weights(labels.shape[-1] + 1, 7.0)
-    out = draft_losses(hidden, labels, anchors, head, head.shape[0], decay, fused=fused, teacher=teacher, distill=1.0)
+    out = SlotLoss(decay, distill=1.0, fused=fused)(DraftSlots(hidden, labels, anchors, teacher), head)
     terms, weights = [], []
     for block, rows, ids in zip(hidden.flatten(0, 1), teacher.flatten(0, 1), labels.flatten(0, 1), strict=True):
         for k in range(len(ids)):
@@ -136,9 +138,9 @@ def test_late_slot_weight_multiplies_the_training_weights_and_leaves_the_metrics
     slots = labels.shape[-1]
     objective = Objective(position_weights=position_weights, late_slot_weight=2.5, late_slot_start=3)
     decay, scale = slot_weights(slots + 1, 2.0), objective.slot_scale(slots + 1)
-    args = (hidden, labels, anchors, head, head.shape[0], decay)
-    out = draft_losses(*args, fused=fused, dpace_alpha=objective.dpace, slot_scale=scale)
-    plain = draft_losses(*args, fused=fused, dpace_alpha=objective.dpace)
+    batch = DraftSlots(hidden, labels, anchors)
+    out = SlotLoss(decay, scale, dpace_alpha=objective.dpace, fused=fused)(batch, head)
+    plain = SlotLoss(decay, dpace_alpha=objective.dpace, fused=fused)(batch, head)
 
     terms, weights = [], []
     for block, ids in zip(hidden.flatten(0, 1), labels.flatten(0, 1), strict=True):
@@ -179,3 +181,112 @@ def test_bad_late_slot_settings_are_refused_by_name(settings, message):
 def test_a_late_slot_start_past_the_block_is_refused_with_the_block_size():
     with pytest.raises(ValueError, match="objective.late_slot_start=16: a block of draft.block_size=16 has"):
         Objective(late_slot_weight=2, late_slot_start=16).slot_scale(16)
+
+
+def straight_line_losses(hidden, labels, anchors, head, weights, selector=None, settings=None):
+    """The whole objective written out in one piece from its definition (losses.py's docstring), over the whole
+    logits of the trained slots: (ce, selector loss, counts) with the same operations as `SlotLoss`'s parts."""
+    settings = settings or {}
+    distill, dpace_alpha, scale = settings.get("distill", 0.0), settings.get("dpace_alpha"), settings.get("scale")
+    valid = labels != IGNORE
+    previous = torch.cat([anchors.unsqueeze(-1), labels[..., :-1]], dim=-1)  # the anchor, then the previous gold
+    at = valid.flatten().nonzero().squeeze(-1)
+    gold, slot = labels.flatten()[at], torch.arange(labels.shape[-1]).expand_as(labels).flatten()[at]
+    prev, h = previous.flatten()[at], hidden.flatten(0, 2)[at]
+    logits = (h @ head.T).float()
+    ce_rows = F.cross_entropy(logits, gold, reduction="none")
+    rows, soft = ce_rows, None
+    if settings.get("teacher") is not None:
+        target = torch.softmax((settings["teacher"].flatten(0, 2)[at] @ head.T).float(), -1)
+        soft = -(target * torch.log_softmax(logits, -1)).sum(-1)
+        rows, soft = (1 - distill) * ce_rows + distill * soft, soft.detach()
+    w = weights[slot]
+    w_train = w
+    if dpace_alpha is not None:
+        confidence = torch.ones(labels.numel()).index_put((at,), torch.exp(-ce_rows.detach()))
+        w_train = dpace_weights(confidence.view_as(labels), valid, dpace_alpha).flatten()[at]
+    if scale is not None:
+        w_train = w_train * scale[slot]
+    ce = (rows * w_train).sum() / w_train.sum().detach().clamp_min(1e-6)
+    pred, per_slot = logits.argmax(-1), torch.zeros(labels.shape[-1])
+    counts = {
+        "correct": per_slot.index_add(0, slot, (pred == gold).float()),
+        "total": per_slot.index_add(0, slot, torch.ones_like(w)),
+        "ce_sum": (ce_rows.detach() * w).sum(),
+        "weight_sum": w.sum(),
+    }
+    if soft is not None:
+        counts["distill_sum"] = (soft * w).sum()
+    if selector is None:
+        return ce, None, counts
+    vals, cand = logits.topk(selector.top_k, dim=-1)
+    if settings.get("selector_detach"):
+        vals, h = vals.detach(), h.detach()
+    match = cand == gold.unsqueeze(-1)
+    in_top, gold_at = match.any(-1), match.int().argmax(-1)
+    use = in_top & (prev != IGNORE)  # the gold among the candidates, after a true predecessor
+    scores = selector.gold_scores(cand[None], selector.unary(vals)[None], h[None], prev.clamp_min(0)[None])[0]
+    sel_rows = F.cross_entropy(scores, gold_at, reduction="none")
+    sel = (sel_rows * w_train * use).sum() / (w_train * use).sum().detach().clamp_min(1e-6)
+    picks_gold = scores.argmax(-1) == gold_at
+    picked = torch.where(prev != IGNORE, picks_gold & in_top, pred == gold)
+    counts |= {
+        "correct_top1": counts["correct"],
+        "correct": per_slot.index_add(0, slot, picked.float()),
+        "topk_hit": in_top.sum().float(),
+        "topk_total": torch.tensor(float(gold.numel())),
+        "selector_hit": (picks_gold & use).sum().float(),
+        "selector_total": use.sum().float(),
+        "selector_sum": (sel_rows.detach() * w * use).sum(),
+        "selector_weight_sum": (w * use).sum(),
+    }
+    return ce, sel, counts
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"selector": True},
+        {"selector": True, "selector_detach": True, "dpace_alpha": 0.4, "scale": True, "distill": 0.5, "trained": True},
+    ],
+    ids=["head", "selector", "every-setting"],
+)
+def test_the_slot_losses_parts_compose_to_the_objective_written_in_one_piece(settings):
+    """SlotLoss (the labels, the head's cross-entropy, the weights, the selector's loss and the counts, each a part of
+    its own) gives bit for bit the losses, counts and gradients of the objective written out in one piece."""
+    seed = random.randrange(2**31)
+    hidden, labels, anchors, head, gen = losses_case(seed)
+    labels[:, :, 2] = IGNORE  # slot 4 of every block has no true predecessor
+    slots = labels.shape[-1]
+    # Most golds among the candidates: the selector trains on most rows, and the metrics tell its rows from the rest.
+    selector = (
+        CandidateSelector(hidden.shape[-1], head.shape[0], rank=4, top_k=32) if settings.get("selector") else None
+    )
+    if selector is not None:
+        with torch.no_grad():
+            selector.successor_codebook.normal_(generator=gen)  # a trained-looking lattice: the walk leaves the argmax
+    teacher = torch.randn(*hidden.shape, generator=gen) if settings.get("distill") else None
+    scale = Objective(late_slot_weight=2.5, late_slot_start=3).slot_scale(slots + 1) if settings.get("scale") else None
+    decay = slot_weights(slots + 1)
+    params = [hidden, *(selector.parameters() if selector is not None else [])]
+
+    loss = SlotLoss(
+        decay, scale, settings.get("dpace_alpha"), settings.get("distill", 0.0), settings.get("selector_detach", False),
+        fused=False,
+    )  # fmt: skip
+    trained = int((labels != IGNORE).sum()) if settings.get("trained") else None
+    got = loss(DraftSlots(hidden, labels, anchors, teacher, trained), head, selector)
+    want = straight_line_losses(
+        hidden, labels, anchors, head, decay, selector, settings | {"teacher": teacher, "scale": scale}
+    )
+    total = lambda ce, sel: ce + (sel if sel is not None else 0)  # noqa: E731
+    got_grads = torch.autograd.grad(total(got.ce, got.selector), params, allow_unused=True)
+    want_grads = torch.autograd.grad(total(want[0], want[1]), params, allow_unused=True)
+    assert torch.equal(got.ce, want[0]), f"seed {seed}"
+    assert (got.selector is None) == (selector is None) and (selector is None or torch.equal(got.selector, want[1]))
+    assert list(got.counts) == list(want[2]), f"seed {seed}"
+    assert all(torch.equal(got.counts[k], want[2][k]) for k in want[2]), f"seed {seed}"
+    assert all((g is None and w is None) or torch.equal(g, w) for g, w in zip(got_grads, want_grads, strict=True)), (
+        f"seed {seed}"
+    )

@@ -21,10 +21,10 @@ CONFIGS = {
     "evaluate.py": "evaluate",
     "speed.py": "speed",
     "study.py": "study",
-    "-m dflash2.data.regenerate": "regenerate",
-    "-m dflash2.data.sources": "sources",
-    "-m dflash2.data.recipe": "recipe",
-    "-m dflash2.data.features": "features",
+    "-m dflash2.commands.regenerate": "regenerate",
+    "-m dflash2.commands.sources": "sources",
+    "-m dflash2.commands.recipe": "recipe",
+    "-m dflash2.commands.features": "features",
 }
 SHIPPED = "artifacts/drafters/smollm2-dflash"
 

@@ -110,7 +110,7 @@ def test_static_cache_generates_the_same_replies(tiny):
 def test_regenerate_config_on_tiny(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from dflash2.data.regenerate import run
+    from dflash2.commands.regenerate import run
 
     write_sharegpt(tmp_path / "chats.json")
     overrides = ["model=tiny", f"model.path={tiny_target_path()}", f"input={tmp_path / 'chats.json'}"]
@@ -126,7 +126,7 @@ def test_regenerate_config_on_tiny(tmp_path):
 def test_regenerate_shards_split_the_input(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from dflash2.data.regenerate import run
+    from dflash2.commands.regenerate import run
 
     write_sharegpt(tmp_path / "chats.json")
     ids = []
@@ -281,13 +281,13 @@ def test_regenerate_marks_replies_cut_by_max_new_tokens(tiny, tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_the_recipe_command_writes_prompts_and_both_answer_files_and_resumes(tmp_path):
-    """`python -m dflash2.data.recipe` on the tiny target: the prompts file, then the chats' and the prompts' replies
-    by one target load, each output what `regenerate` writes; a rerun rewrites the prompts unchanged and adds nothing.
-    Two outputs on one file, a missing input or an unknown source are refused, by the name typed, before anything is
-    written."""
+    """`python -m dflash2.commands.recipe` on the tiny target: the prompts file, then the chats' and the prompts'
+    replies by one target load, each output what `regenerate` writes; a rerun rewrites the prompts unchanged and adds
+    nothing. Two outputs on one file, a missing input or an unknown source are refused, by the name typed, before
+    anything is written."""
     write_sharegpt(tmp_path / "chats.json")
     files = {k: tmp_path / f"{k}.jsonl" for k in ("prompts", "output", "extra")}
-    cmd = [sys.executable, "-m", "dflash2.data.recipe", "model=tiny", f"model.path={tiny_target_path()}"]
+    cmd = [sys.executable, "-m", "dflash2.commands.recipe", "model=tiny", f"model.path={tiny_target_path()}"]
     cmd += [f"input={tmp_path / 'chats.json'}", "max_new_tokens=3", "prompts.sources=[math]", "prompts.limit.math=3"]
     cmd += [f"prompts.output={files['prompts']}", f"output={files['output']}", f"extra_output={files['extra']}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -340,4 +340,4 @@ def test_the_recipe_command_writes_what_the_qwen3_experiment_trains_on():
     assert recipe.output == train.data.path
     assert [recipe.extra_output] == list(train.data.extra_paths)
     assert recipe.input is None and recipe.chat_template_kwargs == {"enable_thinking": False}
-    assert recipe.prompts == sources  # the recipe's prompts are `python -m dflash2.data.sources`' own default
+    assert recipe.prompts == sources  # the recipe's prompts are `python -m dflash2.commands.sources`' own default

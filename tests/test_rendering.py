@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import types
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from dflash2 import DFlash2DraftModel
+from dflash2.commands.evaluate import evaluate as evaluate_config
 from dflash2.data import datamodule
 from dflash2.data.chat import load_conversations
 from dflash2.data.datamodule import DFlashDataModule
 from dflash2.data.regenerate import Dialogues, regenerate
-from dflash2.evaluation import run as evaluation
+from dflash2.evaluation import loading
 from dflash2.target.chat_template import check_chat_template_kwargs, format_kwargs, render_chat
 from dflash2.target.manifest import MANIFEST_KEY
 from dflash2.target.model import TargetModel
@@ -108,7 +110,8 @@ def test_the_training_text_begins_with_the_prompt_evaluation_feeds_the_target(ta
     # Evaluation renders with the drafter's arguments: the ones its manifest records (`chat_template_kwargs` null).
     draft = DFlash2DraftModel(tiny_draft_config(target))
     draft.config.extra[MANIFEST_KEY] = {"chat_template_kwargs": dm.hparams.chat_template_kwargs}
-    kwargs = evaluation.prompt_chat_template_kwargs(OmegaConf.create({"chat_template_kwargs": None}), draft, target)
+    asked = types.SimpleNamespace(chat_template_kwargs=None)  # evaluate.py's chat_template_kwargs=null
+    kwargs = loading.prompt_chat_template_kwargs(asked, loading.Loaded(target, draft, {}, True))
     assert kwargs == NO_THINKING
     originals = {r["id"]: r["messages"] for r in load_conversations(str(chats), limit=8)}
     for record in written:
@@ -116,15 +119,15 @@ def test_the_training_text_begins_with_the_prompt_evaluation_feeds_the_target(ta
         replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         assert len(replies) == 2
         for k in replies:  # each turn's prompt, later turns after the regenerated answers (as multi-turn decoding)
-            prompt = tok.decode(evaluation.render(tok, messages[:k], kwargs))
+            prompt = tok.decode(loading.render(tok, messages[:k], kwargs))
             assert text.startswith(prompt), (prompt, text)
             assert text[len(prompt) :].startswith(messages[k]["content"])
         # ... and the first prompt is exactly the one the reply was generated from.
         dialogues = Dialogues(tok, max_new_tokens=8, max_length=4096, chat_template_kwargs=NO_THINKING)
         dialogues.add({"id": record["id"], "messages": originals[record["id"]]})
-        assert tok.decode(dialogues.waiting[0][1]) == tok.decode(evaluation.render(tok, messages[: replies[0]], kwargs))
+        assert tok.decode(dialogues.waiting[0][1]) == tok.decode(loading.render(tok, messages[: replies[0]], kwargs))
         # Rendered without the arguments (as training did before it took them), the text would not begin so.
-        first = tok.decode(evaluation.render(tok, messages[: replies[0]], kwargs))
+        first = tok.decode(loading.render(tok, messages[: replies[0]], kwargs))
         assert not render_chat(tok, messages, generation_prompt=False).startswith(first)
 
 
@@ -198,7 +201,7 @@ def test_files_regenerated_before_the_setting_was_recorded_load_as_regenerated_w
 def test_regeneration_resumes_only_with_the_arguments_its_output_was_regenerated_with(
     target, regenerated, chats, tmp_path, monkeypatch
 ):
-    from dflash2.data import regenerate as regen
+    from dflash2.commands import regenerate as regen
 
     out = tmp_path / "out.jsonl"
     out.write_text(regenerated.read_text())
@@ -243,8 +246,8 @@ def test_the_arguments_travel_from_the_data_through_training_and_export_to_evalu
     """train.py with the model group's arguments (thinking off) on data regenerated alike, export, evaluate.py."""
     from training_setup import config
 
+    from dflash2.commands.train import run as train
     from dflash2.export.writer import export_checkpoint
-    from dflash2.training.run import train
 
     overrides = [f"model.path={thinking_folder}", "trainer.max_steps=2", "trainer.max_epochs=2", "data.max_length=512"]
     with pytest.raises(ValueError, match=r"data.chat_template_kwargs=\{\} but"):  # the data default: the model's
@@ -265,14 +268,14 @@ def test_the_arguments_travel_from_the_data_through_training_and_export_to_evalu
                 "model=tiny", f"model.path={thinking_folder}", "bench=humaneval", "bench.limit=1", "max_new_tokens=4",
                 "wandb.enabled=false", f"drafter={out}", *overrides,
             ])  # fmt: skip
-        return evaluation.evaluate(cfg, tmp_path / f"eval{len(overrides)}")
+        return evaluate_config(cfg, tmp_path / f"eval{len(overrides)}")
 
     tok = AutoTokenizer.from_pretrained(thinking_folder)
     results = evaluate()  # null: the drafter's arguments
     assert results["chat_template_kwargs"] == NO_THINKING
     sample = json.loads((tmp_path / "eval0" / "samples.jsonl").read_text().splitlines()[0])
     assert tok.decode(sample["prompt_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    with caplog.at_level(logging.WARNING, logger="dflash2.evaluation.run"):
+    with caplog.at_level(logging.WARNING, logger="dflash2.evaluation.loading"):
         told = evaluate("chat_template_kwargs={}")  # told otherwise: rendered so, and the log says it differs
     assert (
         told["chat_template_kwargs"] == {} and "trained on chats rendered with {enable_thinking: false}" in caplog.text

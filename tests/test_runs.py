@@ -18,9 +18,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from training_setup import ROOT, config, tiny_overrides
 
+from dflash2.commands.train import run as train
 from dflash2.model.config import tensor_shapes
 from dflash2.testing import tiny_target_path
-from dflash2.training.run import train
 
 
 class Probe(Callback):
@@ -317,7 +317,7 @@ def test_missing_recipe_data_names_the_command_that_makes_it(tmp_path):
     assert done.returncode != 0 and not done.stdout
     assert done.stderr.strip().count("\n") == 0, done.stderr
     command = (
-        f"`python -m dflash2.data.recipe model=qwen3 model.path={tiny_target_path()} "
+        f"`python -m dflash2.commands.recipe model=qwen3 model.path={tiny_target_path()} "
         "output=data/regenerated/qwen3.jsonl extra_output=data/regenerated/qwen3_recipe.jsonl`"
     )
     assert done.stderr.startswith("data.path='data/regenerated/qwen3.jsonl' does not exist") and command in done.stderr
@@ -493,7 +493,7 @@ def test_the_first_log_line_says_what_the_run_trains(cli_run):
 def test_the_quickstarts_line_names_it_and_its_sizes():
     """What `python train.py` logs first: the experiment (model=smollm2's, which runs the quickstart) and every size
     that makes it the quickstart."""
-    from dflash2.training.drafter import resolve_drafter
+    from dflash2.commands.train_groups import resolve_drafter
     from dflash2.training.run import describe_run
 
     cfg = compose_train("trainer=cpu")
@@ -542,22 +542,28 @@ def test_resume_runs_with_the_runs_settings_and_keeps_its_record(cli_run):
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_from_its_timed_checkpoint(chats, tmp_path):
-    """A run whose output goes to files, killed (SIGTERM) between validations once its timed checkpoint exists,
-    resumes with the README's command, `python train.py ckpt_path=<run>/checkpoints/last.ckpt`, from that step, and
-    finishes in the same folder. The killed run's output holds log lines only (W&B's run is closed as failed, not
-    left to W&B's exit hook, which prints terminal codes)."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_killed_run_resumes_from_its_timed_checkpoint(chats, tmp_path, stop):
+    """A run whose output goes to files, stopped (SIGTERM, or Ctrl-C's SIGINT) between validations once its timed
+    checkpoint exists, says so in its output and train.log with the checkpoint and the command that resumes it, the
+    README's `python train.py ckpt_path=<run>/checkpoints/last.ckpt`; that command resumes from that step and finishes
+    in the same folder, and its summary counts the steps it trained, the run's total beside them. The stopped run's
+    output holds log lines only (W&B's run is closed as failed, not left to W&B's exit hook, which prints terminal
+    codes)."""
     run, out = tmp_path / "run", tmp_path / "train.out"
     timed = "callbacks.timed_checkpoint.train_time_interval.minutes=0"  # last.ckpt after every step
     last = run / "checkpoints" / "last.ckpt"
     lines = tiny_overrides(chats, run, "trainer.max_steps=100000", "trainer.max_epochs=-1", "logger=wandb", timed)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with out.open("w") as stdout, (tmp_path / "train.err").open("w") as stderr:
-        killed = subprocess.Popen([sys.executable, "train.py", *lines], cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+        killed = subprocess.Popen(
+            [sys.executable, "train.py", *lines], cwd=ROOT, env=env, stdout=stdout, stderr=stderr,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground job has it
+        )  # fmt: skip
         try:
             while not last.is_file() and killed.poll() is None:  # the first step's checkpoint: fit is running
                 time.sleep(0.5)
-            killed.send_signal(signal.SIGTERM)
+            killed.send_signal(stop)
             killed.wait(timeout=300)
         finally:
             killed.kill()
@@ -566,12 +572,17 @@ def test_a_killed_run_resumes_from_its_timed_checkpoint(chats, tmp_path):
         assert noise not in output, (noise, output)
     step = torch.load(last, weights_only=True)["global_step"]
     assert 0 < step < 100000 and "Traceback" not in output
+    told = f"its last checkpoint, {last} (step {step}), resumes it with its own settings: python train.py ckpt_path="
+    told += str(last)
+    assert told in out.read_text() and told in (run / "train.log").read_text()
 
     done = train_cli(f"ckpt_path={last}", f"trainer.max_steps={step + 2}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert torch.load(last, weights_only=True)["global_step"] == step + 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.err", "train.out"]
     assert f"resuming {last} (experiment=tiny)" in (run / "train.log").read_text()
+    assert f"resuming at step {step}; no validation before the first step" in done.stdout
+    assert "steps       2 in " in done.stdout and f"(resumed at step {step}: {step + 2} in all)" in done.stdout
 
 
 @pytest.mark.slow
@@ -612,6 +623,12 @@ def test_a_resume_that_cannot_start_writes_and_logs_nothing(tmp_path, checkpoint
         ("data.copy_anchor_min_match=4", r"data.copy_anchor_min_match=4: .* from 1 to 3 \(block_size=4"),
         ("objective.late_slot_weight=-1", "objective.late_slot_weight=-1: .* a number > 0"),
         ("objective.late_slot_start=4", "objective.late_slot_start=4: a block of draft.block_size=4"),
+        ("optim.lr=abc", r"optim.lr=abc: give a number here, e.g. optim.lr=0.0006"),
+        ("optim.betas=[0.9,abc]", r"optim.betas=\[0.9,abc\]: give a list of numbers here, e.g. optim.betas=\[0.9,"),
+        ("objective.dpace_alpha=half", "objective.dpace_alpha=half: give a number here, e.g. objective.dpace_alpha="),
+        ("trainer.max_steps=ten", "trainer.max_steps=ten: give an integer here, e.g. trainer.max_steps=-1"),
+        ("trainer.gradient_clip_val=x", "trainer.gradient_clip_val=x: give a number here"),
+        ("callbacks.step_rate.skip=x", "callbacks.step_rate.skip=x: give an integer here"),
     ],
 )
 def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, monkeypatch, override, error):
@@ -623,6 +640,63 @@ def test_a_bad_drafter_setting_fails_before_the_target_loads(chats, tmp_path, mo
         train(config(chats, tmp_path / "run", *overrides))
 
 
+def test_train_py_checks_its_config_once_and_resolves_its_drafter_once(chats, tmp_path, monkeypatch):
+    """`python train.py`'s whole path in this process (the console entry, Hydra, PrepareRun, the task): the config is
+    checked once, before the run folder exists, the drafter's config is resolved once and passed on, and the libraries
+    are quieted once."""
+    from dflash2 import commands
+    from dflash2.commands import train as command
+    from dflash2.commands import train_checks, train_groups
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, f=lambda *a, **k: None):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return f(*args, **kwargs)
+
+        return wrapper
+
+    check = counted("check_config", train_checks.check_config)
+    monkeypatch.setattr(train_checks, "check_config", check)  # PrepareRun's
+    monkeypatch.setattr(command, "check_config", check)  # the task's, for a config nobody checked
+    monkeypatch.setattr(train_groups, "draft_config", counted("draft_config", train_groups.draft_config))
+    monkeypatch.setattr(commands, "quiet_libraries", counted("quiet_libraries"))
+    run = tmp_path / "run"
+    line = tiny_overrides(chats, run, "trainer.max_steps=1", "validate_first=false", "logger=none")
+    monkeypatch.setattr(sys, "argv", ["train.py", *line])
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        command.main()
+    finally:  # Hydra's job logging (train.log) is this run's only
+        for handler in set(logging.root.handlers) - set(handlers):
+            handler.close()
+        logging.root.handlers[:], logging.root.level = handlers, level
+    assert calls == {"check_config": 1, "draft_config": 1, "quiet_libraries": 1}
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 1
+    assert "steps       1 in" in (run / "train.log").read_text()
+
+
+def test_a_resumed_runs_summary_counts_the_steps_it_trained():
+    """A resumed run's summary: the steps this process trained, the step it resumed at and the run's total, and the
+    validation its checkpoint recorded as where it started."""
+    from dflash2.training.run import summary
+
+    begun, trained = random.randint(1, 500), random.randint(1, 500)
+    start, end = random.uniform(1, 2), random.uniform(2, 3)
+    result = {"run_dir": "r", "ckpt_path": "c", "start": {"val/tau_sim": start}, "end": {"val/tau_sim": end},
+              "start_step": begun, "global_step": begun + trained, "seconds": 90.0}  # fmt: skip
+    lines = summary(result).splitlines()
+    assert lines[2] == f"steps       {trained} in 1.5 min (resumed at step {begun}: {begun + trained} in all)"
+    assert (
+        lines[3]
+        == f"val tau_sim {start:.3f} (the checkpoint's latest validation) -> {end:.3f} at step {begun + trained}"
+    )
+    fresh = summary(result | {"start_step": 0, "global_step": trained}).splitlines()
+    assert fresh[2] == f"steps       {trained} in 1.5 min"
+    assert fresh[3] == f"val tau_sim {start:.3f} at step 0 -> {end:.3f} at step {trained}"
+
+
 def test_a_malformed_data_file_leaves_no_wandb_run(tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text('{"id": "0", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "1", "messages": [\n')
@@ -632,7 +706,12 @@ def test_a_malformed_data_file_leaves_no_wandb_run(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "bad, error", [("draft.conv_group_size=7", "draft.conv_group_size: 7 does not divide"), ("data", "line 1 is not")]
+    "bad, error",
+    [
+        ("draft.conv_group_size=7", "draft.conv_group_size: 7 does not divide"),
+        ("optim.lr=abc", "optim.lr=abc: give a number here, e.g. optim.lr=0.0006"),
+        ("data", "line 1 is not"),
+    ],
 )
 @pytest.mark.slow
 def test_bad_input_leaves_no_run_folder(chats, tmp_path, bad, error):

@@ -145,7 +145,7 @@ def test_the_one_command_writes_the_same_bytes_twice(tmp_path):
     files = []
     for run, hash_seed in enumerate(("1", "2")):
         out = tmp_path / f"run{run}.jsonl"
-        cmd = [sys.executable, "-m", "dflash2.data.sources", f"sources=[{','.join(mix)}]", *limits]
+        cmd = [sys.executable, "-m", "dflash2.commands.sources", f"sources=[{','.join(mix)}]", *limits]
         env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(repo)}
         proc = subprocess.run([*cmd, f"output={out}"], cwd=repo, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,8 +8,9 @@ from fresh_forward import fresh_block_output
 from scipy.stats import chisquare
 
 from dflash2 import DFlash2DraftModel
-from dflash2.decoding import distributions, drafting
+from dflash2.decoding import distributions, drafting, hybrid
 from dflash2.decoding import speculative as spec
+from dflash2.decoding.hybrid import Hybrid, NgramRule
 from dflash2.decoding.lookup import PromptLookup
 from dflash2.model import kernels
 from dflash2.model.kernels import _backend
@@ -286,7 +287,8 @@ def exact_joint(target, prompt, temperature, top_k):
 
 
 @pytest.mark.parametrize(
-    "kind, temperature, top_k", [("dflash2", 1.0, 0), ("dflash2", 0.7, 5), ("dflash", 1.0, 0), ("pld", 0.7, 5)]
+    "kind, temperature, top_k",
+    [("dflash2", 1.0, 0), ("dflash2", 0.7, 5), ("dflash", 1.0, 0), ("pld", 0.7, 5), ("hybrid", 1.0, 0)],
 )
 def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k, monkeypatch):
     target = small_target()
@@ -295,16 +297,19 @@ def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k,
     else:
         draft = make_draft(
             target,
-            kind,
+            "dflash2" if kind == "hybrid" else kind,
             4,
             seed=11,
             scale=0.3,
             target_layer_ids=[0, 1],
             mask_token_id=7,
-            conv_group_size=8 if kind == "dflash2" else 0,
-            selector_rank=4 if kind == "dflash2" else 0,
+            conv_group_size=0 if kind == "dflash" else 8,
+            selector_rank=0 if kind == "dflash" else 4,
         )
+    if kind == "hybrid":  # a 1-token match gives lookup the rows whose first token recurs, the drafter the rest
+        draft = Hybrid(drafting.Drafter(target, draft, True), PromptLookup(), NgramRule(min_ngram=1, min_tokens=1))
     prompt, n = [1, 5, 2, 6, 3], 4000
+    sources = []
     expected = exact_joint(target, prompt, temperature, top_k).flatten().double()
 
     def pvalue():
@@ -317,6 +322,7 @@ def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k,
             spec.Sampling(temperature=temperature, top_k=top_k, batch_size=n),
             generator=torch.Generator().manual_seed(5),
         )
+        sources.extend(s for g in out for s in g.proposers)
         codes = torch.tensor([g.output_ids for g in out]) @ torch.tensor([64, 8, 1])
         observed = torch.bincount(codes, minlength=512).double()
         counts = expected / expected.sum() * n
@@ -326,8 +332,12 @@ def test_sampled_tokens_follow_the_target_distribution(kind, temperature, top_k,
         return chisquare(obs.numpy(), exp.numpy()).pvalue
 
     assert pvalue() > 1e-3
-    if kind == "pld":  # lookups claimed to be drawn from a uniform q instead of their point masses must be caught
-        monkeypatch.setattr(distributions, "point_mass", lambda d, v: torch.full((*d.shape, v), 1 / v))
+    if kind == "hybrid":  # the test reaches steps of both proposers
+        assert sources.count("lookup") > n / 4 and sources.count("drafter") > n / 4
+    if kind in ("pld", "hybrid"):  # lookups claimed to be drawn from a uniform q instead of point masses are caught
+        uniform = lambda d, v: torch.full((*d.shape, v), 1 / v)  # noqa: E731
+        monkeypatch.setattr(distributions, "point_mass", uniform)
+        monkeypatch.setattr(hybrid, "point_mass", uniform)
         assert pvalue() < 1e-6
     if kind == "dflash2":  # the same run with the q a greedy walk reports (one-hot) must be caught
         real = distributions.selector_q

@@ -14,9 +14,11 @@ from hydra import compose, initialize_config_dir
 from test_evaluation import config as evaluate_config
 from test_evaluation import export_draft
 
+from dflash2.commands.evaluate import evaluate
+from dflash2.commands.speed import run as speed_run
 from dflash2.decoding.static import FastDecode
-from dflash2.evaluation import speed, speed_model
-from dflash2.evaluation.run import acceptance_stats, evaluate
+from dflash2.evaluation import speed_model
+from dflash2.evaluation.run import acceptance_stats
 from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,10 +57,11 @@ def test_expected_steps_match_a_simulation(random_seed):
 
 def test_costs_between_batch_sizes_by_hand():
     table = {2: 14.0, 4: 22.0}
-    assert speed_model.at(table, 3) == 18.0  # halfway between 2 and 4
-    assert speed_model.at(table, 2) == 14.0 and speed_model.at(table, 1) == 14.0  # flat below the smallest size
-    assert speed_model.at(table, 0.25) == 0.25 * 14.0  # a fractional last step: a quarter of one row's step
-    assert speed_model.at(table, 0) == 0 and speed_model.at(table, 9) == 22.0
+    assert speed_model.cost_at(table, 3) == 18.0  # halfway between 2 and 4
+    # flat below the smallest size
+    assert speed_model.cost_at(table, 2) == 14.0 and speed_model.cost_at(table, 1) == 14.0
+    assert speed_model.cost_at(table, 0.25) == 0.25 * 14.0  # a fractional last step: a quarter of one row's step
+    assert speed_model.cost_at(table, 0) == 0 and speed_model.cost_at(table, 9) == 22.0
 
 
 def test_replies_are_batched_as_the_decode_batches_them():
@@ -67,7 +70,7 @@ def test_replies_are_batched_as_the_decode_batches_them():
     assert speed_model.request_batches([[a, b], [c]], 2) == [[a, c], [b]]
     # Batches of 3 cycle the prompts to fill them: [p0, p1, p0].
     assert speed_model.request_batches([[a, b], [c]], 3) == [[a, c, a], [b, b]]
-    assert speed_model.fill([1, 2, 3], 2) == [1, 2, 3, 1] and speed_model.fill([1, 2], 2) == [1, 2]
+    assert speed_model.cycled([1, 2, 3], 2) == [1, 2, 3, 1] and speed_model.cycled([1, 2], 2) == [1, 2]
 
 
 def test_predictions_by_hand():
@@ -220,7 +223,7 @@ def test_results_of_evaluate_runs_replace_decoding(tiny, tmp_path, monkeypatch):
         evaluate(evaluate_config(f"drafter={draft}", f"block_size={block}", *TINY[2:4]), runs[block])
     monkeypatch.setattr(evaluation, "evaluate", lambda *a: pytest.fail("decoded the acceptance again"))
     out = tmp_path / "out"
-    result = speed.run(
+    result = speed_run(
         config(f"drafter={draft}", f"results=[{runs[4]},{runs[6]}/results.json]", "batch_sizes=[2]", f"output={out}")
     )
     assert not (out / "acceptance").exists()
@@ -244,13 +247,13 @@ def test_results_of_evaluate_runs_replace_decoding(tiny, tmp_path, monkeypatch):
     ],
 )
 def test_bad_settings_are_refused_before_loading_or_writing(tiny, tmp_path, monkeypatch, override, message):
-    from dflash2.evaluation import run as evaluation
+    from dflash2.commands import evaluate as command
 
     draft = export_draft(tiny, tmp_path / "draft")
-    monkeypatch.setattr(evaluation, "load_target", lambda *a: pytest.fail("the target was loaded first"))
+    monkeypatch.setattr(command, "_load_target", lambda *a: pytest.fail("the target was loaded first"))
     override, message = override.format(tmp=tmp_path), message.format(tmp=tmp_path)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        speed.run(config(f"drafter={draft}", override, f"output={tmp_path / 'out'}"))
+        speed_run(config(f"drafter={draft}", override, f"output={tmp_path / 'out'}"))
     assert not (tmp_path / "out").exists()
 
 
@@ -275,7 +278,7 @@ def test_the_fast_path_is_costed_and_measured_on_both_sides(tmp_path, monkeypatc
 
     monkeypatch.setattr(speculative, "speculative_generate", plain)
     monkeypatch.setattr(speculative, "target_generate", plain)
-    result = speed.run(config("drafter=pld", "block_size=4", "batch_sizes=[2]", "decode=static", f"output={tmp_path}"))
+    result = speed_run(config("drafter=pld", "block_size=4", "batch_sizes=[2]", "decode=static", f"output={tmp_path}"))
     (row,) = result["rows"]
     assert row["measured"]["identical_outputs"] == 1.0 and row["measured"]["tokens_per_s"] > 0
     assert result["config"]["decode"] == "static" and result["costs"]["speculative"][0]["verify"] > 0
@@ -284,7 +287,7 @@ def test_the_fast_path_is_costed_and_measured_on_both_sides(tmp_path, monkeypatc
 
 
 def test_prompt_lookup_is_costed_and_predicted_without_measuring(tmp_path):
-    result = speed.run(config("drafter=pld", "block_size=4", "batch_sizes=[2]", "measure=false", f"output={tmp_path}"))
+    result = speed_run(config("drafter=pld", "block_size=4", "batch_sizes=[2]", "measure=false", f"output={tmp_path}"))
     assert result["draft"]["name"] == "pld" and list(result["histograms"]) == ["4"]  # block 4 has no half >= 4
     (row,) = result["rows"]
     assert row["measured"] is None and row["error"] is None and row["predicted"]["tokens_per_s"] > 0

@@ -12,12 +12,11 @@ from test_lookup import repeating_prompts
 from test_speculative import make_draft, random_prompts
 from torch._dynamo.utils import counters
 
+from dflash2.commands.evaluate import evaluate, settings_of
 from dflash2.decoding import drafting
 from dflash2.decoding import speculative as spec
 from dflash2.decoding import static as fast
 from dflash2.decoding.lookup import PromptLookup
-from dflash2.evaluation.checks import check_settings
-from dflash2.evaluation.run import evaluate
 from dflash2.model.drafter import StaticDraftCache, take_slots_
 from dflash2.target.static_cache import TargetStaticCache
 from dflash2.testing import tiny_target
@@ -297,7 +296,7 @@ def test_capacity_holds_a_call_and_rounds_up_to_few_shapes():
 )
 def test_evaluate_refuses_bad_decode_settings_by_name(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
-        check_settings(config("drafter=pld", *overrides))
+        settings_of(config("drafter=pld", *overrides))
 
 
 def test_decode_mode_reads_compile_as_the_device_allows():
@@ -328,8 +327,8 @@ def test_compiled_steps_decode_what_the_plain_path_decodes(tiny):
     compiled = fast.FastDecode(compile="default", capacity=max(map(len, prompts)) + MAX_NEW + 3 * BLOCK)
     seeded = lambda: torch.Generator().manual_seed(seed)  # noqa: E731
     counters.clear()
-    plain = spec.speculative_generate(tiny, draft, prompts, BLOCK, MAX_NEW, sampling, True, seeded())
-    static = fast.speculative_generate(tiny, draft, prompts, BLOCK, MAX_NEW, sampling, True, seeded(), fast=compiled)
+    plain = spec.speculative_generate(tiny, draft, prompts, BLOCK, MAX_NEW, sampling, seeded())
+    static = fast.speculative_generate(tiny, draft, prompts, BLOCK, MAX_NEW, sampling, seeded(), fast=compiled)
     assert_same((plain, {}), (static, {}))
     plain = spec.target_generate(tiny, prompts, 12, sampling, seeded())
     static = fast.target_generate(tiny, prompts, 12, sampling, seeded(), fast=compiled)

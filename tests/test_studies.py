@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import shlex
 import subprocess
@@ -21,10 +22,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dflash2.studies import run_study
+from dflash2.commands import compose
+from dflash2.commands.study import run_study
+from dflash2.commands.study_plan import make_plan, setting_label
 from dflash2.studies.budget import budget_steps, max_time, run_seconds
 from dflash2.studies.collect import ablation_table, collect
-from dflash2.studies.commands import compose, make_plan, setting_label
 from dflash2.studies.plan import Drafter, Plan
 from dflash2.studies.results import merged, record, taus
 from dflash2.training import step_rate
@@ -108,6 +110,46 @@ def test_step_rate_leaves_validations_out_of_the_rate_and_the_warmup(tmp_path, m
     assert result["steps_per_s"] == pytest.approx(2.0) and result["warmup_s"] == pytest.approx(6.0)
     assert result["validations_s"] == pytest.approx([2, 7, 5]) and result["validation_s"] == pytest.approx(5)
     assert result["measured_steps"] == 4 and result["val_every"] == 5 and result["steps"] == 6
+
+
+def test_a_resumed_runs_step_rate_line_names_the_steps_its_json_measured(tmp_path, monkeypatch, caplog):
+    """A run resumed at step N measures the steps after N + skip: the log line's step numbers are the run's own, as
+    step_rate.json's start_step and skip say."""
+    clock = types.SimpleNamespace(t=0.0)
+    monkeypatch.setattr(step_rate.time, "perf_counter", lambda: clock.t)
+    begun, skip, steps = random.randint(1, 300), random.randint(1, 5), random.randint(2, 6)
+    trainer = types.SimpleNamespace(
+        global_step=begun, sanity_checking=False, val_check_batch=float("inf"), is_global_zero=True,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    module = types.SimpleNamespace(device=torch.device("cpu"))
+    callback = step_rate.StepRate(skip=skip, steps=steps)
+    callback.on_train_start(trainer, module)
+    for _ in range(skip + steps):
+        callback.on_train_batch_start(trainer, module, None, 0)
+        clock.t += 0.5
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+    with caplog.at_level(logging.INFO, logger="dflash2.training.step_rate"):
+        callback.on_train_end(trainer, module)
+    result = json.loads((tmp_path / step_rate.STEP_RATE_FILE).read_text())
+    assert result["start_step"] == begun and result["skip"] == skip and result["measured_steps"] == steps
+    first = result["start_step"] + result["skip"]
+    assert f"over steps {first}-{first + result['measured_steps']}, " in caplog.text, caplog.text
+
+
+def test_a_resumed_runs_record_counts_the_runs_steps(tmp_path):
+    """A training record of a resumed run: its steps are the run's in all (what its batch size turns into
+    conversations), its minutes those of the part the log's summary reports."""
+    from dflash2.studies.results import training
+
+    begun, trained, batch = random.randint(1, 500), random.randint(1, 500), random.choice([2, 16])
+    summary = f"steps       {trained} in 7.5 min (resumed at step {begun}: {begun + trained} in all)\n"
+    log = tmp_path / "train.log"
+    log.write_text("[x][INFO] - 1000 training and 256 validation chats\n" + summary)
+    record = training(log, batch)
+    assert record["steps"] == begun + trained and record["minutes"] == 7.5
+    assert record["conversations"] == (begun + trained) * batch
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -270,7 +312,7 @@ class EntryPoints:
     def run(self, args: list[str], out) -> int:
         self.ran.append(args)
         kv = dict(a.lstrip("+").split("=", 1) for a in args if "=" in a)
-        if args[:2] == ["-m", "dflash2.data.regenerate"]:
+        if args[:2] == ["-m", "dflash2.commands.regenerate"]:
             chats = [{"id": str(i), "messages": [{"role": "user", "content": "q"}]} for i in range(int(kv["limit"]))]
             Path(kv["output"]).parent.mkdir(parents=True, exist_ok=True)
             Path(kv["output"]).write_text("".join(json.dumps(c) + "\n" for c in chats))
@@ -650,7 +692,8 @@ def test_a_training_record_from_a_former_work_folder(tmp_path):
 
 
 def test_a_second_study_in_the_same_folder_is_refused_while_one_runs(tmp_path, entry_points):
-    from dflash2.studies import StudyFailed, main
+    from dflash2.commands.study import run as main
+    from dflash2.studies import StudyFailed
     from dflash2.studies.runner import study_lock
 
     cfg = study_cfg(tmp_path, "study=depth", "rehearse=true", "study.drafters=[layers2]", "study.benches=[[gsm8k]]")

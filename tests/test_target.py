@@ -1,5 +1,6 @@
 """The frozen target wrapper, the mask-token choice and assistant-turn regeneration."""
 
+import dataclasses
 import inspect
 import os
 import random
@@ -15,7 +16,7 @@ from torch import nn
 
 from dflash2.target.inherited import choose_mask_token, draft_config_fields, load_target_config
 from dflash2.target.locate import TargetNotFoundError
-from dflash2.target.model import TargetModel, compile_mode
+from dflash2.target.model import TargetModel, TargetSettings, compile_mode
 from dflash2.testing import tiny_target, tiny_target_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +211,7 @@ def test_cli_offline_qwen3_prints_one_line(tmp_path):
     env |= {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
     start = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "dflash2.data.regenerate", "model=qwen3", "limit=1"],
+        [sys.executable, "-m", "dflash2.commands.regenerate", "model=qwen3", "limit=1"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -264,7 +265,8 @@ def test_model_configs_share_keys_and_build_a_target():
     """Every model option holds the target alone, under the same keys: TargetModel.load's arguments."""
     keys = {"_target_", "name", "path", "gguf_file", "dtype", "attn_implementation", "compile", "mask_token_id"}
     keys |= {"chat_template_kwargs"}  # how the target is chatted with: regeneration, training and evaluation render so
-    accepted = set(inspect.signature(TargetModel.load).parameters) - {"cls"}
+    accepted = set(inspect.signature(TargetModel.load).parameters) - {"cls", "settings"}
+    accepted |= {f.name for f in dataclasses.fields(TargetSettings)}  # what load(**settings) takes
     for file in (ROOT / "configs" / "model").glob("*.yaml"):
         cfg = yaml.safe_load(file.read_text())
         assert set(cfg) == keys and cfg["_target_"] == "dflash2.target.model.TargetModel.load", file.name

@@ -11,22 +11,16 @@ import torch
 from fresh_forward import fresh_block_output
 from training_setup import config
 
+from dflash2.commands import train_groups
+from dflash2.commands.train_groups import build_data, target_and_draft
 from dflash2.data.anchors import IGNORE
 from dflash2.model.selector import head_logits
 from dflash2.testing import tiny_target
 from dflash2.training import drafter
-from dflash2.training.losses import (
-    draft_losses,
-    fused_head,
-    grouped_topk,
-    loss_gamma,
-    plain_head,
-    slot_weights,
-    summarise,
-)
+from dflash2.training.head import fused_head, grouped_topk, plain_head
+from dflash2.training.losses import DraftSlots, SlotLoss, loss_gamma, metric_floats, slot_weights
 from dflash2.training.module import DFlash2Module
 from dflash2.training.objectives import Objective
-from dflash2.training.run import build_data, target_and_draft
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +176,14 @@ def test_selector_loss_skips_ignored_predecessors_and_golds_outside_top_k():
     head = torch.randn(v, h)
     labels = torch.randint(0, v, (b, n, s))
     labels[0, 0, 1] = -100  # slot 2 ignored -> slot 3 has no true predecessor
-    out = draft_losses(torch.randn(b, n, s, h), labels, torch.randint(0, v, (b, n)), head, v, slot_weights(s + 1), sel)
+    slot_loss = SlotLoss(slot_weights(s + 1))
+    out = slot_loss(DraftSlots(torch.randn(b, n, s, h), labels, torch.randint(0, v, (b, n))), head, sel)
     valid = int((labels != -100).sum())
     assert out.counts["topk_total"] == valid and out.counts["total"].sum() == valid
     assert out.counts["selector_total"] <= out.counts["topk_hit"]
     # Everything in the top-K when K == V: every slot with a true predecessor trains the selector.
     sel_all = CandidateSelector(h, v, rank=4, top_k=v)
-    out = draft_losses(
-        torch.randn(b, n, s, h), labels, torch.randint(0, v, (b, n)), head, v, slot_weights(s + 1), sel_all
-    )
+    out = slot_loss(DraftSlots(torch.randn(b, n, s, h), labels, torch.randint(0, v, (b, n))), head, sel_all)
     assert out.counts["topk_hit"] == valid and out.counts["selector_total"] == valid - 1
 
 
@@ -213,19 +206,8 @@ def test_rows_counted_on_the_host_are_the_boolean_indexs_rows(fused):
     outs = []
     for trained in (None, count, count - 1):
         x = hidden.clone().requires_grad_()
-        out = draft_losses(
-            x,
-            labels,
-            anchors,
-            head,
-            v,
-            slot_weights(s + 1),
-            sel,
-            fused=fused,
-            teacher=teacher,
-            distill=0.5,
-            trained=trained,
-        )
+        slot_loss = SlotLoss(slot_weights(s + 1), distill=0.5, fused=fused)
+        out = slot_loss(DraftSlots(x, labels, anchors, teacher=teacher, trained=trained), head, sel)
         grads = torch.autograd.grad(out.ce + out.selector, [x, *sel.parameters()])
         outs.append((out, grads))
     (want, want_grads), (got, got_grads), (short, _) = outs
@@ -266,15 +248,16 @@ def test_accuracy_scores_the_walk_that_decoding_runs():
     assert not torch.equal(walked, argmax)
 
     # Gold = the walk's own path: the walk is right at every slot; the argmax only where it agrees with it.
-    out = draft_losses(hidden, walked.view(b, n, slots), anchors, head, v, slot_weights(slots + 1), sel)
+    slot_loss = SlotLoss(slot_weights(slots + 1))
+    out = slot_loss(DraftSlots(hidden, walked.view(b, n, slots), anchors), head, sel)
     assert torch.equal(out.counts["correct"], out.counts["total"])
     assert torch.equal(out.counts["correct_top1"], (argmax == walked).float().sum(0))
-    metrics = summarise(out.counts)
+    metrics = metric_floats(out.counts)
     assert metrics["tau_sim"] == slots + 1 and metrics["tau_sim_top1"] < slots + 1
 
     # A fresh selector (zero successors) walks the argmax path: both accuracies agree on any labels.
     labels = torch.where(torch.rand(b, n, slots) < 0.5, argmax.view(b, n, slots), torch.randint(0, v, (b, n, slots)))
-    fresh = draft_losses(hidden, labels, anchors, head, v, slot_weights(slots + 1), CandidateSelector(h, v, 8, 8))
+    fresh = slot_loss(DraftSlots(hidden, labels, anchors), head, CandidateSelector(h, v, 8, 8))
     assert torch.equal(fresh.counts["correct"], fresh.counts["correct_top1"]) and fresh.counts["correct"].sum() > 0
 
 
@@ -293,7 +276,7 @@ def test_fast_path_matches_the_plain_path_on_cuda(parts, chats, tmp_path, drafte
 
 def _compare_fast_and_plain(cfg, target, batch, chats, tmp_path, drafter):
     overrides = ("draft=dflash",) if drafter == "dflash" else ()
-    draft = drafter.draft_config(config(chats, tmp_path, *overrides).draft, drafter.target_fields(target))
+    draft = train_groups.draft_config(config(chats, tmp_path, *overrides).draft, drafter.target_fields(target))
     distill = 0.5 if drafter.endswith("_distill") else 0.0
     plain = DFlash2Module(target, draft, Objective(fused_head=False, distill=distill)).cuda()
     fast_head = Objective(fused_head=True, logits_chunk_rows=37, distill=distill)
@@ -402,7 +385,7 @@ def test_training_blocks_are_what_decoding_computes(parts, sliding):
 def test_rounded_shapes_change_nothing_that_is_trained(parts):
     """The same rows collated with data.pad_to_multiple_of: more pad tokens (which the target sees without a mask) and
     more padded blocks, yet the same losses and counts to rounding."""
-    from dflash2.data.datamodule import BlockCollator
+    from dflash2.data.collate import BlockCollator
 
     cfg, target, draft_config, batch = parts
     module = DFlash2Module(target, draft_config)
@@ -429,7 +412,7 @@ def test_rounded_shapes_change_nothing_that_is_trained(parts):
 
 def test_dflash_has_no_conv_or_selector(parts, chats, tmp_path):
     cfg = config(chats, tmp_path, "draft=dflash")
-    module = DFlash2Module(parts[1], drafter.draft_config(cfg.draft, drafter.target_fields(parts[1])))
+    module = DFlash2Module(parts[1], train_groups.draft_config(cfg.draft, drafter.target_fields(parts[1])))
     names = [n for n, _ in module.draft.named_parameters()]
     assert not [n for n in names if "conv" in n or "selector" in n]
     assert module.hparams.draft_config["architectures"] == ["DFlashDraftModel"]
@@ -453,7 +436,7 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
 
     target = parts[1]
     layer_ids = sorted(random.sample(range(target.num_layers), 2))
-    dflash = drafter.draft_config(config(chats, tmp_path, "draft=dflash").draft, drafter.target_fields(target))
+    dflash = train_groups.draft_config(config(chats, tmp_path, "draft=dflash").draft, drafter.target_fields(target))
     saved = DFlash2DraftModel(dflash.replace(target_layer_ids=layer_ids))
     with torch.no_grad():
         for p in saved.parameters():
@@ -461,7 +444,7 @@ def test_warm_start_from_a_dflash_folder(parts, chats, tmp_path):
     saved.save_pretrained(tmp_path / "dflash")
 
     warm = config(chats, tmp_path, f"module.init_from={tmp_path / 'dflash'}", "module.train_backbone=false")
-    assert drafter.resolve_drafter(warm).target_layer_ids == layer_ids
+    assert train_groups.resolve_drafter(warm).target_layer_ids == layer_ids
     target, draft = target_and_draft(warm)  # it captures the warm start's layers
     assert draft.target_layer_ids == target.target_layer_ids == layer_ids
     module = DFlash2Module(target, draft, init_from=warm.module.init_from, train_backbone=False)
@@ -633,7 +616,7 @@ def test_soft_labels_are_the_targets_distribution_before_each_slot(parts):
     positions = batch["anchors"][..., None] + torch.arange(labels.shape[-1])  # a + k - 1 for k = 1..B-1
     logp = torch.log_softmax(logits[torch.arange(b)[:, None, None], positions], -1)
     entropy = -(logp.exp() * logp).sum(-1)
-    w = module.slot_weights.expand_as(labels)[valid]
+    w = module.slot_loss.weights.expand_as(labels)[valid]
     expected = float((entropy[valid] * w).sum() / w.sum())
     loss = lambda c: float(c["distill_sum"] / c["weight_sum"])  # noqa: E731
     assert abs(loss(right) - expected) < 1e-4 * expected, (loss(right), expected)

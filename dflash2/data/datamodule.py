@@ -1,133 +1,76 @@
-"""DFlashDataModule: chats -> cached token rows -> batches of anchored blocks (contract section 7)."""
+"""DFlashDataModule: chats -> cached token rows -> batches of anchored blocks (contract section 7).
+
+The DataModule, built from the data group's keys (`DataSettings`), reads and renders the chats, splits them into
+training and validation rows and serves them through `AnchoredRows` and `GlobalBatchSampler` (dflash2.data.sampling),
+batched by `BlockCollator` (dflash2.data.collate).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import datasets
 import lightning as L
 import torch
-from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dflash2.data.anchors import (
-    IGNORE,
-    CopyAnchors,
-    block_ids,
-    block_labels,
-    block_positions,
-    check_copy_anchors,
-    sample_anchors,
-)
+from dflash2.data.anchors import IGNORE, CopyAnchors, check_copy_anchors
 from dflash2.data.chat import (
-    _same_file,
+    is_packaged_sharegpt,
     load_conversations,
     regenerated_with,
     sharegpt_path,
     tokenize_conversations,
 )
-from dflash2.data.feature_store import FeatureStore, pad_features, truncate
+from dflash2.data.collate import BlockCollator
+from dflash2.data.feature_store import FeatureStore
+from dflash2.data.sampling import AnchoredRows, GlobalBatchSampler
 from dflash2.model.contract import check_block_size
 from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, one_setting, same_kwargs
 
 log = logging.getLogger(__name__)
 
 
-class Draw(NamedTuple):
-    """What `GlobalBatchSampler` yields: a row, the epoch its anchors are drawn for, and whether it only pads a
-    rank's share (its blocks are then not trained nor scored)."""
-
-    row: int
-    epoch: int = 0
-    padding: bool = False
+def check_drop_last(value: object) -> None:
+    """`data.drop_last` must be a bool: whether each epoch's last, short training batch is dropped."""
+    if not isinstance(value, bool):
+        raise ValueError(f"data.drop_last={value!r}: set it to true or false")
 
 
-class AnchoredRows(Dataset):
-    """Token rows whose anchors are drawn at fetch time from (`seed`, row), fixed ones per row for validation (so
-    validation metrics are comparable across steps); with `fresh`, from (`seed`, epoch, row) too: new ones every
-    epoch, the same whichever rank or dataloader worker fetches the row. An int index is a `Draw` of epoch 0; with
-    `seed=None` its anchors come from torch's global RNG. With `features` (data.features) each row carries the
-    target's cached features. With `copy` (data.copy_anchor_weight) the anchors are drawn by its weights of the row's
-    positions, computed from the row as fetched: cut to its cached positions or whole, the same weights, as no token
-    after the last trained one counts in them."""
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """configs/data's keys (data.max_length=...), every one but those train.py passes (the tokenizer and the drafter's
+    block_size and mask_token_id): which chats, how they are rendered, split, anchored and batched. Checked when
+    built."""
 
-    def __init__(
-        self,
-        rows: datasets.Dataset,
-        max_anchors: int,
-        seed: int | None,
-        fresh: bool = False,
-        features: FeatureStore | None = None,
-        copy: CopyAnchors | None = None,
-    ):
-        columns = ["input_ids", "loss_mask"] + ([] if features is None else ["feature_row"])
-        self.rows = rows.with_format("torch", columns=columns)
-        self.max_anchors, self.seed, self.fresh, self.features = max_anchors, seed, fresh, features
-        self.copy = copy
+    path: str | None = None  # a JSON/JSONL file of chats; None = the embedded ShareGPT
+    limit: int | None = None  # the first N conversations of `path`
+    max_length: int = 3072  # tokens per chat after the chat template
+    max_anchors: int = 512  # blocks per chat
+    val_size: int | float = 0.05  # chats held out (an int) or a fraction (a float), by id
+    batch_size: int = 1
+    num_workers: int = 0
+    num_proc: int | None = None  # processes tokenizing
+    seed: int = 0  # the split and the validation anchors
+    cache_dir: str | None = None  # where the rendered rows are cached; None = $HF_DATASETS_CACHE/dflash2
+    name: str | None = None
+    pad_to_multiple_of: int = 1  # BlockCollator's
+    drop_last: bool = False  # drop each epoch's last, short training batch
+    extra_paths: list[str] | tuple[str, ...] = ()  # more chat files, for training only
+    features: str | None = None  # a cache of the target's features
+    chat_template_kwargs: dict[str, Any] | None = None  # `resolve_chat_template_kwargs`' `requested`
+    copy_anchor_weight: float = 1.0  # CopyAnchors'
+    copy_anchor_min_match: int = 1
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int | Draw) -> dict[str, Any]:
-        draw = Draw(*index) if isinstance(index, tuple) else Draw(int(index))
-        row = self.rows[draw.row]
-        cached = {} if self.features is None else self.features.row(int(row["feature_row"]))
-        row = truncate(row, cached) if cached else row  # data.features: the positions up to the last trained token
-        generator = None
-        if self.seed is not None:
-            key = self.seed * 1_000_003 + draw.row
-            generator = torch.Generator().manual_seed(key * 1_009 + draw.epoch + 1 if self.fresh else key)
-        weights = None if self.copy is None else self.copy(row["input_ids"], row["loss_mask"])
-        anchors = sample_anchors(row["loss_mask"], self.max_anchors, generator, weights)
-        return {
-            "input_ids": row["input_ids"].long(),
-            "loss_mask": row["loss_mask"].long(),
-            "anchors": anchors,
-            **cached,
-            "padding": draw.padding,
-        }
-
-
-class GlobalBatchSampler(DistributedSampler):
-    """This rank's share of an order of the rows that does not depend on the number of ranks, so that N ranks of
-    `batch_size` rows each train the global batches of N * batch_size rows that one process of that batch size
-    trains: rank r takes rows r, r + N, r + 2N, ... of each. The order is the rows' own, or with `shuffle` a
-    permutation drawn from (seed, epoch); with `drop_last` it is cut to whole global batches. It is padded to a
-    multiple of N with padding draws (`Draw.padding`), which the collator gives no trained block: unlike
-    DistributedSampler's repeated rows, no row counts twice in a loss or a metric.
-
-    A DistributedSampler, so that Lightning keeps it instead of injecting its own; stateful, so that a run resumed
-    mid-epoch continues the epoch's order (StatefulDataLoader saves where the epoch stands)."""
-
-    def __init__(self, data: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, batch_size: int = 1,
-                 drop_last: bool = False) -> None:  # fmt: skip
-        super().__init__(data, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        rows = len(data)
-        self.rows = rows - rows % (num_replicas * batch_size) if drop_last else rows
-        self.num_samples = math.ceil(self.rows / num_replicas)
-        self.total_size = self.num_samples * num_replicas
-        self.yielded, self.next_yielded = 0, 0
-
-    def __iter__(self):
-        n = len(self.dataset)
-        order = list(range(n))
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        draws = [Draw(i, self.epoch) for i in order[: self.rows]]
-        draws += [Draw(order[0], self.epoch, padding=True)] * (self.total_size - self.rows)
-        self.yielded, self.next_yielded = self.next_yielded, 0
-        for draw in draws[self.rank :: self.num_replicas][self.yielded :]:
-            self.yielded += 1
-            yield draw
-
-    def state_dict(self) -> dict[str, int]:
-        return {"yielded": self.yielded, "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.next_yielded, self.epoch = state["yielded"], state["epoch"]
+    def __post_init__(self) -> None:
+        kwargs = check_chat_template_kwargs(self.chat_template_kwargs, f"data.{KWARGS_KEY}")
+        object.__setattr__(self, "chat_template_kwargs", kwargs)
+        check_drop_last(self.drop_last)
+        if self.max_length < 2 or self.max_anchors < 1:
+            raise ValueError(f"max_length={self.max_length} must be >= 2 and max_anchors={self.max_anchors} >= 1")
 
 
 def batch_rows(batch: dict[str, torch.Tensor]) -> int:
@@ -138,44 +81,6 @@ def batch_rows(batch: dict[str, torch.Tensor]) -> int:
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Block slots with a label, i.e. the tokens a step trains on (ThroughputMonitor's `length_fn`)."""
     return int((batch["labels"] != IGNORE).sum())
-
-
-class BlockCollator:
-    """Right-pads rows and anchors and builds the block inputs, positions and labels of every anchor.
-
-    `pad_to_multiple_of` rounds each batch's row length up to a multiple of it, and its block slots (anchors times B,
-    in whole blocks) up to one too where B divides it: fewer distinct shapes, so the per-shape work on a GPU (cuDNN's
-    attention plans, one for every new length) is done a few dozen times instead of once per batch, and flex
-    attention's 128-wide tiles line up with the context's end and with the blocks. Right padding is what lets the
-    target run without an attention mask (DFlash2Module.target_pass)."""
-
-    def __init__(self, block_size: int, mask_token_id: int, pad_token_id: int = 0, pad_to_multiple_of: int = 1):
-        check_pad_to_multiple_of(pad_to_multiple_of)
-        self.block_size, self.mask_token_id, self.pad_token_id = block_size, mask_token_id, pad_token_id
-        self.length_multiple = pad_to_multiple_of
-        self.block_multiple = max(1, pad_to_multiple_of // block_size)
-
-    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        length = _round_up(max(len(r["input_ids"]) for r in rows), self.length_multiple)
-        blocks = _round_up(max(len(r["anchors"]) for r in rows), self.block_multiple)
-        input_ids = _right_pad([r["input_ids"] for r in rows], length, self.pad_token_id)
-        loss_mask = _right_pad([r["loss_mask"] for r in rows], length)
-        attention_mask = _right_pad([torch.ones_like(r["input_ids"]) for r in rows], length)
-        anchors = _right_pad([r["anchors"] for r in rows], blocks)
-        anchor_valid = [torch.full_like(r["anchors"], not r.get("padding"), dtype=torch.bool) for r in rows]
-        anchor_valid = _right_pad(anchor_valid, blocks)
-        cached = pad_features(rows, length) if "features" in rows[0] else {}  # data.features
-        return {
-            **cached,
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "loss_mask": loss_mask,
-            "anchors": anchors,
-            "anchor_valid": anchor_valid,
-            "block_ids": block_ids(input_ids, anchors, self.block_size, self.mask_token_id, anchor_valid),
-            "block_positions": block_positions(anchors, self.block_size),
-            "labels": block_labels(input_ids, loss_mask, anchors, self.block_size, anchor_valid),
-        }
 
 
 def split_by_id(rows: datasets.Dataset, val: int, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -198,21 +103,6 @@ def split_by_id(rows: datasets.Dataset, val: int, seed: int) -> tuple[datasets.D
     held = rows.select(list(first.values())).train_test_split(test_size=val, seed=seed, shuffle=True)["test"]
     out = set(held["id"])
     return rows.select([i for i, rid in enumerate(ids) if rid not in out]), held
-
-
-def check_pad_to_multiple_of(value: object) -> None:
-    """`data.pad_to_multiple_of` must be an integer >= 1 (1 = no rounding)."""
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"data.pad_to_multiple_of={value}: the multiple a batch's length is rounded up to must be an integer >= 1 "
-            "(1 = no rounding; 128 on a GPU)"
-        )
-
-
-def check_drop_last(value: object) -> None:
-    """`data.drop_last` must be a bool: whether each epoch's last, short training batch is dropped."""
-    if not isinstance(value, bool):
-        raise ValueError(f"data.drop_last={value!r}: set it to true or false")
 
 
 def resolve_chat_template_kwargs(
@@ -248,51 +138,20 @@ def resolve_chat_template_kwargs(
     return dict(requested)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _right_pad(rows: list[torch.Tensor], length: int, value: int = 0) -> torch.Tensor:
-    """[len_i] rows -> [rows, length], each padded on the right with `value`."""
-    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=value) for r in rows])
-
-
 class DFlashDataModule(L.LightningDataModule):
     """Chats rendered with the target's template (`path=None`: the embedded ShareGPT), split once into train and
-    validation rows; batches carry anchors and blocks, the attention mask is built on the model's device.
+    validation rows; batches carry anchors and blocks, the attention mask is built on the model's device. `settings`
+    are the data group's keys (`DataSettings`), kept in `hparams`.
 
     `chat_template_kwargs`: the template's extra arguments (`resolve_chat_template_kwargs`; null = as the data was
     regenerated). The ones rendered with replace it in `hparams`, which every checkpoint keeps and the export's
     manifest takes: evaluation then renders its prompts as training rendered the chats."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        block_size: int,
-        mask_token_id: int,
-        path: str | None = None,
-        limit: int | None = None,
-        max_length: int = 3072,
-        max_anchors: int = 512,
-        val_size: int | float = 0.05,
-        batch_size: int = 1,
-        num_workers: int = 0,
-        num_proc: int | None = None,
-        seed: int = 0,
-        cache_dir: str | None = None,
-        name: str | None = None,
-        pad_to_multiple_of: int = 1,
-        drop_last: bool = False,
-        extra_paths: list[str] | tuple[str, ...] = (),
-        features: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        copy_anchor_weight: float = 1.0,
-        copy_anchor_min_match: int = 1,
-    ):
+    def __init__(self, tokenizer: Any, block_size: int, mask_token_id: int, **settings: Any) -> None:
         super().__init__()
+        data = DataSettings(**settings)
         check_block_size(block_size)
-        check_copy_anchors(copy_anchor_weight, copy_anchor_min_match, block_size)
-        chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"data.{KWARGS_KEY}")
+        check_copy_anchors(data.copy_anchor_weight, data.copy_anchor_min_match, block_size)
         if not 0 <= mask_token_id < len(tokenizer):
             raise ValueError(f"mask_token_id={mask_token_id} is outside the tokenizer's {len(tokenizer)} ids")
         if not getattr(tokenizer, "chat_template", None):
@@ -300,17 +159,13 @@ class DFlashDataModule(L.LightningDataModule):
                 "the target's tokenizer has no chat template; use an instruct/chat target or set "
                 "tokenizer.chat_template before building the data"
             )
-        check_drop_last(drop_last)
-        if max_length < 2 or max_anchors < 1:
-            raise ValueError(f"max_length={max_length} must be >= 2 and max_anchors={max_anchors} >= 1")
-        self.save_hyperparameters(ignore=["tokenizer"])
+        self.save_hyperparameters({"block_size": block_size, "mask_token_id": mask_token_id} | dataclasses.asdict(data))
         self.tokenizer = tokenizer
-        self.features = None if features is None else FeatureStore(features)  # the target's, cached
+        self.features = None if data.features is None else FeatureStore(data.features)  # the target's, cached
         # Training anchors only: validation keeps drawing every position alike, so its metrics compare across runs.
-        self.copy = (
-            None if copy_anchor_weight == 1 else CopyAnchors(copy_anchor_weight, block_size, copy_anchor_min_match)
-        )
-        self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0, pad_to_multiple_of)
+        weight, min_match = data.copy_anchor_weight, data.copy_anchor_min_match
+        self.copy = None if weight == 1 else CopyAnchors(weight, block_size, min_match)
+        self.collate = BlockCollator(block_size, mask_token_id, tokenizer.pad_token_id or 0, data.pad_to_multiple_of)
         self._prepared: tuple[datasets.Dataset, list[datasets.Dataset]] | None = None
         self.train_rows: datasets.Dataset | None = None
         self.val_rows: datasets.Dataset | None = None
@@ -346,14 +201,14 @@ class DFlashDataModule(L.LightningDataModule):
 
     def _log_source(self, source: str, regenerated_by: list[str]) -> None:
         models = sorted(set(regenerated_by) - {""})
-        if _same_file(source, sharegpt_path):
-            log.warning("training on the original replies; regenerate with `python -m dflash2.data.regenerate`")
+        if is_packaged_sharegpt(source):
+            log.warning("training on the original replies; regenerate with `python -m dflash2.commands.regenerate`")
         elif models and all(regenerated_by):
             log.info("training on replies regenerated by %s", ", ".join(models))
         else:
             log.info(
                 "training on the replies stored in %s (%d of %d records carry `regenerated_by`, which "
-                "`python -m dflash2.data.regenerate` writes)",
+                "`python -m dflash2.commands.regenerate` writes)",
                 source,
                 sum(map(bool, regenerated_by)),
                 len(regenerated_by),

@@ -1,6 +1,6 @@
 """The feature cache's format and reading side: its binding to a run (`binding`, `check_cache`), the shards' storage
 (`quantize`, `dequantize`, `shard_name`) and `FeatureStore`, which training memory-maps. `dflash2.data.features`
-writes it (python -m dflash2.data.features); this module imports nothing of training, so the data module, the
+writes it (python -m dflash2.commands.features); this module imports nothing of training, so the data module, the
 LightningModule and the run's checks can read a cache without an import cycle."""
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def _target_folder(model_cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any], P
 def binding(model_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], layer_ids: list[int]) -> dict[str, Any]:
     """What decides a cache's content, from the settings alone (the target's config, tokenizer and weight files are
     read, its weights are not loaded): the writer records it, `check_cache` compares it."""
-    from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash2.data.chat import RENDER_VERSION, sharegpt_path
+    from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs
     from dflash2.target.manifest import target_identity, tokenizer_hash
 
     path, kwargs, folder = _target_folder(model_cfg)
@@ -89,9 +89,7 @@ def binding(model_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], layer_ids
     data_path = data_cfg.get("path")
     data_file = Path(sharegpt_path() if data_path is None else data_path).expanduser().absolute()
     extras = [Path(p).expanduser().absolute() for p in data_cfg.get("extra_paths") or ()]
-    template_kwargs = data_cfg.get("chat_template_kwargs") or {}
-    if OmegaConf.is_config(template_kwargs):
-        template_kwargs = OmegaConf.to_container(template_kwargs, resolve=True)
+    template_kwargs = check_chat_template_kwargs(data_cfg.get(KWARGS_KEY), f"data.{KWARGS_KEY}") or {}
     out = {
         "target": model_cfg.get("name"),
         "target_config_hash": identity["target_config_hash"],
@@ -107,7 +105,7 @@ def binding(model_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], layer_ids
         "max_length": int(data_cfg.get("max_length")),
         "render_version": RENDER_VERSION,
     }
-    if extras:  # absent without them: a cache of data.path alone binds as it did before they could be cached
+    if extras:  # absent without them: a cache of data.path alone binds by data.path's fields only
         out["extra_paths"] = [str(p) for p in extras]
         out["extra_sha256"] = [file_sha256(p) for p in extras]
     return out
@@ -117,7 +115,7 @@ def read_manifest(folder: str | Path, setting: str = "data.features") -> dict[st
     file = Path(folder).expanduser() / MANIFEST
     if not file.is_file():
         raise FileNotFoundError(
-            f"{setting}={folder}: no {MANIFEST} there; write the cache with `python -m dflash2.data.features "
+            f"{setting}={folder}: no {MANIFEST} there; write the cache with `python -m dflash2.commands.features "
             f"<this run's settings> output={folder}`"
         )
     manifest = json.loads(file.read_text())
@@ -159,7 +157,7 @@ def check_cache(cfg: Mapping[str, Any], layer_ids: list[int]) -> dict[str, Any]:
     if wrong:
         raise ValueError(
             f"data.features={folder} was written for other settings: " + "; ".join(wrong) + ". Set them as the "
-            "cache has them, or write a cache for this run: `python -m dflash2.data.features <this run's settings> "
+            "cache has them, or write a cache for this run: `python -m dflash2.commands.features <this run's settings> "
             "output=<new folder>`"
         )
     FeatureStore(folder)  # complete?
@@ -213,7 +211,7 @@ class FeatureStore:
         if missing:
             raise ValueError(
                 f"{setting}={folder} is incomplete ({m['shards'] - len(missing)} of {m['shards']} shards): rerun "
-                f"`python -m dflash2.data.features` with the settings it was started with and output={folder} to "
+                f"`python -m dflash2.commands.features` with the settings it was started with and output={folder} to "
                 "finish it"
             )
         self.rows, self.shard_rows = int(m["rows"]), int(m["shard_rows"])

@@ -1,6 +1,6 @@
 """A cache of the target's features: the target runs once per data set, and training reads its layers from disk.
 
-    python -m dflash2.data.features <the run's settings: experiment=..., model..., data..., draft...> output=DIR
+    python -m dflash2.commands.features <the run's settings: experiment=..., model..., data..., draft...> output=DIR
     python train.py <the same settings> data.features=DIR
 
 The command renders the chats exactly as training does (the data group's DFlashDataModule), runs the target over
@@ -14,7 +14,7 @@ and a rerun of the same command writes just the missing ones. `manifest.json` (w
 what produced it: the target (its config, vocabulary, chat template and a hash of its weight files), the layers, the
 data files' hashes, `data.limit`, `data.max_length` and the rendering version; `train.py` refuses a cache whose
 binding differs from the run's, naming the setting, before any weights load. The command builds the run's target
-and rows as training builds them (`dflash2/training/features.py`); this module writes them.
+and rows as training builds them (`dflash2/commands/features.py`); this module writes them.
 
 Storage (`dtype`): bf16 (2 bytes per value; the features' relative rounding 2^-8) or fp8 (float8 e4m3 with one
 float32 scale per token and layer, amax/448: 1 byte per value plus 4 per layer; relative rounding 2^-4); fp8 e5m2,
@@ -131,7 +131,5 @@ def write_features(
     return manifest
 
 
-if __name__ == "__main__":
-    from dflash2 import cli
-
-    cli.features()
+if __name__ == "__main__":  # the command lives in the command layer, which this library module does not import
+    raise SystemExit("this is the library: run python -m dflash2.commands.features ... (or dflash2-features ...)")

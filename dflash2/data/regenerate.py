@@ -1,6 +1,6 @@
 """Regenerate the assistant turns of chat conversations with the frozen target (contract section 7).
 
-    python -m dflash2.data.regenerate [model=smollm2|tiny|qwen3] [input=FILE] [output=FILE] [limit=N] ...
+    python -m dflash2.commands.regenerate [model=smollm2|tiny|qwen3] [input=FILE] [output=FILE] [limit=N] ...
 
 Each assistant turn is re-generated given the conversation so far, earlier turns already regenerated,
 so the drafter learns the target's own distribution. The prompts are rendered with `chat_template_kwargs` (by default
@@ -14,6 +14,7 @@ in `max_length` (or that have no assistant turn) are recorded in `<output>.skipp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import deque
@@ -21,17 +22,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
-from omegaconf import DictConfig
 from transformers import GenerationConfig
 
-from dflash2.data.chat import load_conversations
-from dflash2.groups import build
 from dflash2.progress import Progress
 from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs, format_kwargs, render_chat, same_kwargs
-from dflash2.target.locate import TargetNotFoundError
-from dflash2.target.model import TargetModel, resolve_device
+from dflash2.target.model import TargetModel
 
 
 def completed_ids(output: Path) -> set[str]:
@@ -52,7 +48,7 @@ def completed_ids(output: Path) -> set[str]:
 
 def check_output(output: str | Path, chat_template_kwargs: dict[str, Any] | None) -> None:
     """Refuse to resume into `output` when its records were regenerated with other `chat_template_kwargs`: one file
-    is trained with one setting. Records written before the setting was recorded count as regenerated with none."""
+    is trained with one setting. Records without the setting count as regenerated with none."""
     output = Path(output)
     if not output.is_file():
         return
@@ -71,20 +67,21 @@ def check_output(output: str | Path, chat_template_kwargs: dict[str, Any] | None
             )
 
 
-def regenerate(
-    target: TargetModel,
-    conversations: Iterable[dict[str, Any]],
-    output: str | Path,
-    *,
-    batch_size: int = 8,
-    max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    max_length: int = 3072,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    regenerated_by: str = "target",
-    cache_implementation: str | None = None,
-    shortest_first: bool = True,
-) -> int:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How `regenerate` answers (configs/regenerate.yaml documents each)."""
+
+    batch_size: int = 8  # turns per generate call
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    max_length: int = 3072  # prompt + reply tokens
+    chat_template_kwargs: dict[str, Any] | None = None
+    regenerated_by: str = "target"  # the target's name, stamped on every record
+    cache_implementation: str | None = None
+    shortest_first: bool = True
+
+
+def regenerate(target: TargetModel, conversations: Iterable[dict[str, Any]], output: str | Path, **options: Any) -> int:
     """Regenerate and append every conversation not in `output` yet; returns how many were written.
 
     Conversations flow through a pool: each `generate` call takes the `batch_size` oldest waiting turns, whatever
@@ -93,9 +90,12 @@ def regenerate(
     long conversations in small batches of their own. A conversation is written when its last turn is in.
 
     With `shortest_first` the conversations enter the pool shortest first (by characters), so a call's prompts are
-    of similar length and its static cache (sized to its longest prompt, `cache_length`) is mostly a short one."""
+    of similar length and its static cache (sized to its longest prompt, `cache_length`) is mostly a short one.
+    `options`: the fields of `Options`."""
+    o = Options(**options)
+    batch_size, max_new_tokens, max_length = o.batch_size, o.max_new_tokens, o.max_length
     output = Path(output)
-    chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, KWARGS_KEY) or {}
+    chat_template_kwargs = check_chat_template_kwargs(o.chat_template_kwargs, KWARGS_KEY) or {}
     check_output(output, chat_template_kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = completed_ids(output)
@@ -107,7 +107,7 @@ def regenerate(
         chat_template_kwargs=chat_template_kwargs,
     )
     written = calls = 0
-    if shortest_first:
+    if o.shortest_first:
         todo = deque(sorted(todo, key=conversation_chars))
     with (
         output.open("a") as out,
@@ -123,14 +123,14 @@ def regenerate(
                 cache_len = cache_length(max(map(len, prompts)) + max_new_tokens, max_length)
                 pad_to = cache_len - max_new_tokens
                 replies = generate(
-                    target, prompts, max_new_tokens, temperature, cache_implementation, cache_len, pad_to
+                    target, prompts, max_new_tokens, o.temperature, o.cache_implementation, cache_len, pad_to
                 )
                 for (key, _), (reply, truncated) in zip(turns, replies, strict=True):
                     dialogues.reply(key, reply, truncated)
                 calls += 1
             results = dialogues.pop_finished()
             # One write + fsync per call: a kill leaves at most one torn line, which the next run cuts off.
-            stamp = {"regenerated_by": regenerated_by, KWARGS_KEY: chat_template_kwargs}  # what training checks
+            stamp = {"regenerated_by": o.regenerated_by, KWARGS_KEY: chat_template_kwargs}  # what training checks
             kept = [r | stamp for r in results if r["messages"]]
             out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
             skip.write("".join(r["id"] + "\n" for r in results if not r["messages"]))
@@ -271,64 +271,5 @@ def generate(
     return list(zip(texts, (~ended).tolist(), strict=True))
 
 
-def checked_options(cfg: DictConfig, outputs: Iterable[str]) -> dict[str, Any]:
-    """`regenerate`'s keyword arguments from a composed `configs/regenerate.yaml`, checked before the target loads:
-    the shard, the chat template's arguments, and each of `outputs` against what it already holds."""
-    if not 0 <= cfg.shard_index < cfg.num_shards:
-        raise SystemExit(f"shard_index={cfg.shard_index} must be in [0, num_shards={cfg.num_shards}); pass 0 .. n-1")
-    try:
-        chat_template_kwargs = check_chat_template_kwargs(cfg.chat_template_kwargs, KWARGS_KEY) or {}
-        for output in outputs:
-            check_output(output, chat_template_kwargs)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    return {
-        "batch_size": cfg.batch_size,
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "max_length": cfg.max_length,
-        "chat_template_kwargs": chat_template_kwargs,
-        "regenerated_by": cfg.model.name,
-        "cache_implementation": cfg.get("cache_implementation"),
-        "shortest_first": cfg.shortest_first,
-    }
-
-
-def load_target(cfg: DictConfig) -> TargetModel:
-    """The frozen target of `cfg.model`, seeded by `cfg.seed` (sampled replies); a missing one exits in a sentence."""
-    torch.manual_seed(cfg.seed)
-    try:
-        return build(cfg.model, device=resolve_device(cfg.device))
-    except TargetNotFoundError as e:
-        raise SystemExit(str(e)) from None  # one sentence, no traceback
-
-
-def conversations_of(cfg: DictConfig, path: str | None, setting: str = "input") -> datasets.Dataset:
-    """The conversations of `path` (None = the packaged ShareGPT) this process regenerates: `limit`, then its shard.
-    A missing file exits naming `setting`, the key the user typed it as."""
-    if path is not None and not Path(path).is_file():
-        raise SystemExit(f"{setting}={path!r} does not exist: pass a JSON/JSONL file of chats, or null for ShareGPT")
-    conversations = load_conversations(path, limit=cfg.limit)
-    if cfg.num_shards > 1:
-        conversations = conversations.shard(cfg.num_shards, cfg.shard_index, contiguous=False)
-    return conversations
-
-
-def report(written: int, output: str, options: dict[str, Any]) -> str:
-    kwargs = format_kwargs(options["chat_template_kwargs"])
-    return f"wrote {written} conversations to {output} (target {options['regenerated_by']}, {KWARGS_KEY}={kwargs})"
-
-
-def run(cfg: DictConfig) -> int:
-    """The CLI on a composed `configs/regenerate.yaml`; returns how many conversations were written."""
-    options = checked_options(cfg, [cfg.output])
-    conversations = conversations_of(cfg, cfg.input)  # before the target loads: a wrong input fails at once
-    n = regenerate(load_target(cfg), conversations, cfg.output, **options)
-    print(f"regenerate: {report(n, cfg.output, options)}")
-    return n
-
-
-if __name__ == "__main__":
-    from dflash2 import cli
-
-    cli.regenerate()
+if __name__ == "__main__":  # the command lives in the command layer, which this library module does not import
+    raise SystemExit("this is the library: run python -m dflash2.commands.regenerate ... (or dflash2-regenerate ...)")

@@ -1,9 +1,9 @@
 """Extra training prompts from packages and generators, kept apart from every benchmark, for the regenerator.
 
-    python -m dflash2.data.sources                      # the recipe's mix (math, codeio) -> data/prompts/recipe.jsonl
-    python -m dflash2.data.sources sources=[math,codeio,chitchat] limit.math=1000 output=data/prompts/mine.jsonl
-    python -m dflash2.data.regenerate input=data/prompts/recipe.jsonl output=data/regenerated/recipe.jsonl
-    python -m dflash2.data.recipe model=qwen3 model.path=DIR   # the recipe's prompts, then ShareGPT's and their replies
+    python -m dflash2.commands.sources              # the recipe's mix (math, codeio) -> data/prompts/recipe.jsonl
+    python -m dflash2.commands.sources sources=[math,codeio,chitchat] limit.math=1000 output=data/prompts/mine.jsonl
+    python -m dflash2.commands.regenerate input=data/prompts/recipe.jsonl output=data/regenerated/recipe.jsonl
+    python -m dflash2.commands.recipe model=qwen3 model.path=DIR   # the recipe's prompts, then ShareGPT's and replies
 
 ShareGPT holds little math and code, and a drafter trained on it alone validates far lower on the math and code
 benches' own text than on ShareGPT's (BENCHMARKS.md, "Validation on each bench's own text"). Data sources are
@@ -40,8 +40,6 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig
 
 from dflash2.data import benches, generators
 from dflash2.downloads import Archive, cached_file, write_atomic
@@ -275,7 +273,7 @@ def build(
     """Write the sources' chats, apart from every benchmark and without repeats, to `output` (JSONL, atomically);
     returns how many each source gave. `limit` (source -> count, None = all) updates `DEFAULT_LIMITS`. A wrong
     setting is refused before anything is read, named as typed: `prefix` is where the command holds these settings
-    (`prompts.` under `python -m dflash2.data.recipe`)."""
+    (`prompts.` under `python -m dflash2.commands.recipe`)."""
     sources = list(sources)
     known = sorted([*SOURCES, *generators.FAMILIES])
     unknown = [s for s in sources if s not in known]
@@ -327,25 +325,5 @@ def build(
     return counts
 
 
-def run(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
-    """`build` on a composed `configs/prompts/recipe.yaml` (the keys of `configs/sources.yaml`, or of the recipe's
-    `prompts` with `prefix="prompts."`); a wrong setting exits in a sentence naming it."""
-    try:
-        return build(cfg.sources, cfg.output, cfg.get("cache_dir"), dict(cfg.get("limit") or {}), cfg.seed, prefix)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(str(e)) from None
-
-
-def main(cfg: DictConfig) -> None:
-    """The command: `run`, then where the prompts went and how to answer them."""
-    counts = run(cfg)
-    print(
-        f"sources: wrote {sum(counts.values())} prompts to {cfg.output}; answer them with "
-        f"python -m dflash2.data.regenerate input={cfg.output}"
-    )
-
-
-if __name__ == "__main__":
-    from dflash2 import cli
-
-    cli.sources()
+if __name__ == "__main__":  # the command lives in the command layer, which this library module does not import
+    raise SystemExit("this is the library: run python -m dflash2.commands.sources ... (or dflash2-sources ...)")

@@ -25,6 +25,7 @@ few timed steps commit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -198,16 +199,24 @@ def speculative_run(
     return _run(decode, device_clock(target.lm_head_weight.device), steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How each cost is timed: `steps` decode steps per run (after the prefill and a first step), `runs` timed runs
+    after `warmup` untimed ones, every run from `seed`."""
+
+    steps: int
+    runs: int
+    warmup: int
+    seed: int
+
+
 def measure_costs(
     target: Any,
     proposer: Proposer,
     batches: Mapping[int, list[list[int]]],
     block_sizes: list[int],
     token: dict[str, float],
-    steps: int,
-    runs: int,
-    warmup: int,
-    seed: int,
+    timing: Timing,
     fast: FastDecode | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """The target alone's costs at every batch (batch size -> its prompts) and speculative decoding's at every batch
@@ -216,6 +225,7 @@ def measure_costs(
 
     Every setting first runs `warmup` untimed runs; then the timed runs go round the settings `runs` times, so that
     a spell of load on a shared machine touches every setting a little rather than one a lot."""
+    steps, seed = timing.steps, timing.seed
     jobs: dict[tuple[int, int | None], Callable[[], dict]] = {}
     for b, prompts in batches.items():
         jobs[b, None] = functools.partial(target_run, target, prompts, token, steps, seed, fast)
@@ -223,12 +233,13 @@ def measure_costs(
             jobs[b, block] = functools.partial(
                 speculative_run, target, proposer, prompts, block, token, steps, seed, fast
             )
-    log.info("timing %d settings (the target alone and each block, at each batch size), %d runs each", len(jobs), runs)
+    log.info("timing %d settings (the target alone and each block, at each batch size), %d runs each", len(jobs),
+             timing.runs)  # fmt: skip
     for job in jobs.values():
-        for _ in range(warmup):
+        for _ in range(timing.warmup):
             job()
     timed: dict[tuple[int, int | None], list[dict]] = {key: [] for key in jobs}
-    for _ in range(runs):
+    for _ in range(timing.runs):
         for key, job in jobs.items():
             timed[key].append(job())
     out: dict[str, list[dict[str, Any]]] = {"target": [], "speculative": [], "context": []}

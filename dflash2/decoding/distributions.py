@@ -83,7 +83,12 @@ def propose(
     if selector is not None:
         candidates, unary = selector.compute_candidates(hidden, lm_head_weight)
         scores = selector.build_lattice(candidates, unary, hidden, anchors)
-        uniforms = uniform((b, n_slots), generator, hidden.device, live)
+        # A greedy walk draws nothing: no uniforms either, so that a greedy step uses no generator at all.
+        uniforms = (
+            hidden.new_zeros(b, n_slots, dtype=torch.float32)
+            if greedy
+            else uniform((b, n_slots), generator, hidden.device, live)
+        )
         temperatures = torch.full((b,), max(temperature, 1e-5), device=hidden.device)
         greedy_mask = torch.full((b,), greedy, dtype=torch.bool, device=hidden.device)
         tokens, q = selector.walk(candidates, scores, uniforms, temperatures, greedy_mask)

@@ -5,6 +5,7 @@ one forward over the block `[anchor, MASK, ...]` whose B-1 proposing rows become
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from dflash2.decoding.distributions import propose
-from dflash2.decoding.proposer import Rows
+from dflash2.decoding.proposer import Proposal, Rows
 from dflash2.model import kernels
 from dflash2.model.config import in_window
 from dflash2.model.drafter import DFlash2DraftModel, DraftCache, StaticDraftCache
@@ -64,12 +65,21 @@ def draft_forward(
     return draft(block_embeds, block_positions, context, context_positions, mask, cache=cache, block_size=block_size)
 
 
-_compiled_forwards: dict[str, Callable[..., torch.Tensor]] = {}  # torch.compile mode -> draft_forward compiled
+def draft_ingest(
+    draft: DFlash2DraftModel, features: torch.Tensor, context_positions: torch.Tensor, cache: DraftCache
+) -> None:
+    """The target features of the slots just verified into the drafter's cache, with no block: a step that another
+    proposer drafted (`dflash2.decoding.hybrid`), so that the drafter's context stays every committed slot."""
+    draft.ingest(draft.fuse(features), context_positions, cache)
+
+
+# (draft_forward or draft_ingest, torch.compile mode) -> that function compiled, on the reference kernels
+_compiled: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
 # draft model -> {capacity: its StaticDraftCache}, which every batch of that capacity reuses (`reused`)
 _static_caches: weakref.WeakKeyDictionary[DFlash2DraftModel, dict[int, StaticDraftCache]] = weakref.WeakKeyDictionary()
 
 
-def _on_reference_kernels(step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+def _on_reference_kernels(step: Callable[..., Any], *args: Any) -> Any:
     with kernels.backend("torch"):
         return step(*args)
 
@@ -101,15 +111,32 @@ class Drafter:
         """What the next draft forward takes in: the target features of the slots just verified."""
         return only_kept(hidden, kept)
 
-    def forward(self, steady: bool) -> Callable[..., torch.Tensor]:
-        """`draft_forward`, compiled (`compile`) for a step whose shapes repeat (`steady`), with the grouped conv on
-        its PyTorch reference, which the compiler fuses."""
+    def compiled(self, fn: Callable[..., Any], steady: bool) -> Callable[..., Any]:
+        """`fn` (`draft_forward` or `draft_ingest`), compiled (`compile`) for a step whose shapes repeat (`steady`),
+        with the grouped conv on its PyTorch reference, which the compiler fuses."""
         if self.compile is None or not steady:
-            return draft_forward
-        if self.compile not in _compiled_forwards:
-            step = compiled_step(draft_forward, self.compile)
-            _compiled_forwards[self.compile] = lambda *args: _on_reference_kernels(step, *args)
-        return _compiled_forwards[self.compile]
+            return fn
+        if (fn, self.compile) not in _compiled:
+            step = compiled_step(fn, self.compile)
+            _compiled[fn, self.compile] = functools.partial(_on_reference_kernels, step)
+        return _compiled[fn, self.compile]
+
+    def context(self, rows: Rows, draft_cache: DraftCache, block_size: int) -> tuple[torch.Tensor, bool]:
+        """The positions of the slots whose features the step takes in, and whether the step is steady: a static
+        cache's buffers already there for these rows, and a verify block's features in. Claims the slots in a
+        static cache."""
+        c = rows.features.shape[1]
+        positions = rows.positions[:, -c:] if rows.context_positions is None else rows.context_positions
+        static = isinstance(draft_cache, StaticDraftCache)
+        steady = static and draft_cache.allocated(len(rows.anchor)) and c == block_size
+        if static:
+            draft_cache.reserve(c, rows.anchor.device)
+        return positions, steady
+
+    def ingest(self, rows: Rows, block_size: int, draft_cache: DraftCache) -> None:
+        """Take in the features of the slots just verified, with no block (`draft_ingest`)."""
+        positions, steady = self.context(rows, draft_cache, block_size)
+        self.compiled(draft_ingest, steady)(self.draft, rows.features, positions, draft_cache)
 
     def __call__(
         self,
@@ -118,20 +145,14 @@ class Drafter:
         draft_cache: DraftCache,
         temperature: float,
         generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        draft, target = self.draft, self.target
+    ) -> Proposal:
+        draft = self.draft
         masks = torch.full_like(block_positions[:, 1:], draft.config.mask_token_id)
         block_ids = torch.cat([rows.anchor[:, None], masks], -1)
-        c = rows.features.shape[1]
-        context_positions = rows.positions[:, -c:] if rows.context_positions is None else rows.context_positions
-        static = isinstance(draft_cache, StaticDraftCache)
-        # A steady step: the buffers there for these rows, and a verify block's features in.
-        steady = static and draft_cache.allocated(len(block_ids)) and c == block_positions.shape[1]
-        if static:
-            draft_cache.reserve(c, block_ids.device)
-        hidden = self.forward(steady)(
+        context_positions, steady = self.context(rows, draft_cache, block_positions.shape[1])
+        hidden = self.compiled(draft_forward, steady)(
             draft,
-            target.embed_tokens(block_ids),
+            self.target.embed_tokens(block_ids),
             block_positions,
             rows.features,
             context_positions,
@@ -140,14 +161,27 @@ class Drafter:
             rows.positions,
             draft_cache,
         )
+        return Proposal(*self.proposals(hidden, rows.anchor, temperature, generator, rows.live))
+
+    def proposals(
+        self,
+        hidden: torch.Tensor,
+        anchor: torch.Tensor,
+        temperature: float,
+        generator: torch.Generator | None,
+        live: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's draft hidden states [b, B, H] (the anchor's row first) -> (tokens [b, B-1], q or None)
+        (`distributions.propose`); greedy (T = 0) draws nothing, so `generator` may be None."""
+        head = self.target.lm_head_weight
         return propose(
-            draft,
-            target.lm_head_weight,
+            self.draft,
+            head,
             hidden[:, 1:],
-            rows.anchor,
+            anchor,
             temperature=temperature,
             use_selector=self.use_selector,
-            vocab=target.lm_head_weight.shape[0],
+            vocab=head.shape[0],
             generator=generator,
-            live=rows.live,
+            live=live,
         )

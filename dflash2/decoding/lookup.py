@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash2.decoding.proposer import Proposal
 from dflash2.model.contract import check_block_size
 
 if TYPE_CHECKING:
@@ -81,17 +82,23 @@ class PromptLookup:
         draft_cache: None,
         temperature: float,
         generator: torch.Generator,
-    ) -> tuple[torch.Tensor, None]:
-        """The decode loop's proposer: (proposals [b, B-1], q None = point masses)."""
-        return self.lookup(rows.tokens, rows.lengths + 1, block_positions.shape[1]), None
+    ) -> Proposal:
+        """The decode loop's proposer: proposals [b, B-1], q None (point masses)."""
+        return Proposal(self.lookup(rows.tokens, rows.lengths + 1, block_positions.shape[1]), None)
 
     def lookup(self, tokens: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Row i's tokens `tokens[i, :lengths[i]]` ([b, capacity], anything after them) -> proposals [b, B-1].
+        """Row i's tokens `tokens[i, :lengths[i]]` ([b, capacity], anything after them) -> proposals [b, B-1]."""
+        follow, _ = self.find(tokens, lengths)
+        return self.continuation(tokens, lengths, follow, block_size)
+
+    def find(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The match of each row's tokens `tokens[i, :lengths[i]]` -> (where its proposal starts [b], -1 where nothing
+        matches; the length n of the n-gram that matched [b], 0 where nothing does).
 
         Batched on the tokens' device: for each n, every window of n tokens is compared with the row's suffix."""
         b, capacity = tokens.shape
-        width = block_size - 1
         follow = torch.full((b,), -1, dtype=torch.long, device=tokens.device)  # where the proposal starts, -1 = none
+        ngram = torch.zeros(b, dtype=torch.long, device=tokens.device)
         for n in range(min(self.max_ngram, capacity), self.min_ngram - 1, -1):
             windows = tokens.unfold(1, n, 1)  # [b, capacity - n + 1, n]: windows[:, s] = tokens[:, s : s + n]
             suffix = tokens.gather(1, (lengths[:, None] - n + torch.arange(n, device=tokens.device)).clamp(min=0))
@@ -99,26 +106,45 @@ class PromptLookup:
             # Strictly before the suffix's own start, which also keeps the window inside the row's tokens.
             hit = (windows == suffix[:, None]).all(-1) & (starts < lengths[:, None] - n)
             last = torch.where(hit, starts, -1).amax(-1)
-            follow = torch.where((follow < 0) & (last >= 0), last + n, follow)
-        index = follow[:, None] + torch.arange(width, device=tokens.device)
-        taken = torch.arange(width, device=tokens.device) < self.slots(block_size)
-        found = (follow[:, None] >= 0) & (index < lengths[:, None]) & taken
-        return torch.where(found, tokens.gather(1, index.clamp(0, capacity - 1)), self.filler)
+            new = (follow < 0) & (last >= 0)
+            follow, ngram = torch.where(new, last + n, follow), torch.where(new, n, ngram)
+        return follow, ngram
+
+    def available(self, lengths: torch.Tensor, follow: torch.Tensor, block_size: int) -> torch.Tensor:
+        """How many tokens a match starting at `follow` proposes from the text (the rest of the block is filler): up to
+        the end of the row's tokens and up to `slots(block_size)`; 0 where nothing matched. -> [b]"""
+        return torch.where(follow >= 0, (lengths - follow).clamp(max=self.slots(block_size)), 0)
+
+    def continuation(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, follow: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """The proposals [b, B-1] of matches starting at `follow` [b] (`find`): the tokens there, then filler."""
+        capacity, width = tokens.shape[1], block_size - 1
+        step = torch.arange(width, device=tokens.device)
+        found = step[None] < self.available(lengths, follow, block_size)[:, None]
+        index = (follow[:, None] + step).clamp(0, capacity - 1)
+        return torch.where(found, tokens.gather(1, index), self.filler)
 
     def follows(self, tokens: torch.Tensor) -> torch.Tensor:
         """`lookup` at every prefix of one text at once: tokens [L] -> [L], where the proposal from the committed
-        tokens `tokens[: a + 1]` (the anchor a last) starts, -1 where no n-gram matches. The same rule as `lookup`
-        (tests/test_lookup.py compares them at every prefix), through an index of the n-grams: each n-gram gets
+        tokens `tokens[: a + 1]` (the anchor a last) starts, -1 where no n-gram matches (`matches`)."""
+        return self.matches(tokens)[0]
+
+    def matches(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`find` at every prefix of one text at once: tokens [L] -> (where the proposal from `tokens[: a + 1]` starts,
+        -1 where no n-gram matches; the length of the n-gram that matched, 0 where none), each [L]. The same rule as
+        `find` (tests/test_lookup.py compares them at every prefix), through an index of the n-grams: each n-gram gets
         an id, and each window the latest earlier window of the same id, so a whole conversation costs a few sorts
         instead of one comparison with every window per prefix."""
         length = len(tokens)
         follow = torch.full((length,), -1, dtype=torch.long, device=tokens.device)
+        ngram = torch.zeros(length, dtype=torch.long, device=tokens.device)
         if length == 0:
-            return follow
+            return follow, ngram
         text = (tokens - tokens.min()).long()  # ids >= 0, so that (n-gram id, next token) pairs number uniquely
         base = int(text.max()) + 1
         ids = torch.zeros(length, dtype=torch.long, device=tokens.device)  # the id of the n-gram at each start
-        found = []  # per n, min_ngram up: where the proposal of each prefix starts when its last n tokens match
+        found = []  # per n, min_ngram up: (n, where the proposal of each prefix starts when its last n tokens match)
         for n in range(1, min(self.max_ngram, length) + 1):
             # The n-gram at s is the (n-1)-gram at s and the token at s + n - 1.
             codes = ids[: length - n + 1] * base + text[n - 1 :]
@@ -134,10 +160,11 @@ class PromptLookup:
             # The suffix of the prefix ending at a starts at a - n + 1; its proposal follows the earlier copy.
             at = torch.full((length,), -1, dtype=torch.long, device=tokens.device)
             at[n - 1 :] = torch.where(earlier >= 0, earlier + n, -1)
-            found.append(at)
-        for at in reversed(found):  # the longest n that matches wins
-            follow = torch.where(follow < 0, at, follow)
-        return follow
+            found.append((n, at))
+        for n, at in reversed(found):  # the longest n that matches wins
+            new = (follow < 0) & (at >= 0)
+            follow, ngram = torch.where(new, at, follow), torch.where(new, n, ngram)
+        return follow, ngram
 
     def matched_lengths(
         self, tokens: torch.Tensor, block_size: int, counted: torch.Tensor | None = None

@@ -6,7 +6,7 @@ module, and the loops (dflash2/decoding/speculative.py, dflash2/decoding/static.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -32,6 +32,20 @@ class Rows:
         return Rows(*(None if v is None else v[keep] for v in values))
 
 
+# What proposed a step's block, as `Proposal.source` numbers it and a request's `Generation.proposers` names it.
+SOURCES = ("drafter", "lookup")
+
+
+class Proposal(NamedTuple):
+    """One step's proposals for every row: the tokens [b, B-1]; the q each was drawn from [b, B-1, V], or None for
+    point masses (and at T = 0); and, from a proposer that combines others (`dflash2.decoding.hybrid.Hybrid`), which one
+    proposed each row's block [b] (an index into SOURCES), None otherwise."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+    source: torch.Tensor | None = None
+
+
 class Proposer(Protocol):
     """What the decode loop asks of a proposer."""
 
@@ -55,6 +69,6 @@ class Proposer(Protocol):
         draft_cache: Any,
         temperature: float,
         generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(proposals [b, B-1], the q each was drawn from [b, B-1, V], or None for point masses)."""
+    ) -> Proposal:
+        """The block's proposals for every row (`Proposal`)."""
         ...

@@ -34,15 +34,23 @@ import torch.nn.functional as F
 
 from dflash2.decoding import speculative
 from dflash2.decoding.distributions import first_token, verify
+from dflash2.decoding.graphed import StepBuffers, WholeSteps
+from dflash2.decoding.hybrid import Hybrid
 from dflash2.decoding.proposer import Proposer, Rows
 from dflash2.decoding.speculative import (
+    GREEDY,
     Generation,
     OnCommit,
     Requests,
     Sampling,
+    commit_one,
+    commits,
     committed,
+    default_generator,
+    in_batches,
     pad_right,
     run_proposer,
+    top_margins,
 )
 from dflash2.model.drafter import DFlash2DraftModel, take_slots_
 from dflash2.target.model import COMPILE_MODES
@@ -64,6 +72,7 @@ class FastDecode:
 
     compile: str | None = None
     capacity: int | None = None
+    whole_step: bool = True  # greedy: each steady step runs whole, one graph under compile (decoding/graphed.py)
 
     def capacity_for(self, prompts_ids: list[list[int]], max_new_tokens: int, block_size: int) -> int:
         """Slots per row for a call. Every row holds its prompt and what it commits: up to max_new_tokens - 1 tokens
@@ -81,10 +90,12 @@ class FastDecode:
         return self.capacity
 
 
-def decode_mode(decode: Any, compile: Any, device: torch.device | str = "cpu") -> FastDecode | None:
-    """evaluate.py's `decode` and `compile` settings -> None (the plain loops) or the fast path's settings, refused in
-    one sentence naming the setting as typed. compile=true is reduce-overhead (CUDA graphs) on a GPU, torch.compile's
-    default mode elsewhere (a CPU has no graphs: only to test the compiled step)."""
+def decode_mode(
+    decode: Any, compile: Any, device: torch.device | str = "cpu", whole_step: Any = True
+) -> FastDecode | None:
+    """evaluate.py's `decode`, `compile` and `whole_step` settings -> None (the plain loops) or the fast path's
+    settings, refused in one sentence naming the setting as typed. compile=true is reduce-overhead (CUDA graphs) on a
+    GPU, torch.compile's default mode elsewhere (a CPU has no graphs: only to test the compiled step)."""
     typed = str(compile).lower() if isinstance(compile, bool) else compile  # as Hydra's command line spells it
     if decode not in DECODES:
         raise ValueError(
@@ -98,9 +109,11 @@ def decode_mode(decode: Any, compile: Any, device: torch.device | str = "cpu") -
         if compile not in (None, False):
             raise ValueError(f"compile={typed} needs decode=static: a compiled step needs the static caches' shapes")
         return None
+    if type(whole_step) is not bool:
+        raise ValueError(f"whole_step={whole_step}: true (each greedy step one function, one graph) or false")
     if compile is True:
         compile = "reduce-overhead" if torch.device(device).type == "cuda" else "default"
-    return FastDecode(compile=compile or None)
+    return FastDecode(compile=compile or None, whole_step=whole_step)
 
 
 def decoders(fast: FastDecode | None) -> tuple[Callable[..., list[Generation]], Callable[..., list[Generation]]]:
@@ -178,86 +191,197 @@ def speculative_generate(
     prompts_ids: list[list[int]],
     block_size: int,
     max_new_tokens: int,
-    sampling: Sampling | None = None,
-    use_selector: bool = True,
+    sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     on_commit: OnCommit | None = None,
     fast: FastDecode = FastDecode(),
 ) -> list[Generation]:
     """speculative.speculative_generate on the fast path (same arguments, same results), its target's verify step and
     its drafter's steady steps compiled under `fast.compile`."""
-    sampling = sampling or Sampling()
-    proposer = run_proposer(target, draft, block_size, max_new_tokens, use_selector, fast.compile)
-    generator = generator or torch.Generator(device=target.lm_head_weight.device).manual_seed(0)
-    capacity = fast.capacity_for(prompts_ids, max_new_tokens, block_size)
+    proposer = run_proposer(target, draft, block_size, max_new_tokens, fast.compile)
+    generator, token = generator or default_generator(target), sampling.token()
+    shape = Shape(sampling.batch_size, fast.capacity_for(prompts_ids, max_new_tokens, block_size), block_size)
     step = target.decode_step(fast.compile)
-    results: list[Generation] = []
-    for start in range(0, len(prompts_ids), sampling.batch_size):
-        prompts = prompts_ids[start : start + sampling.batch_size]
-        requests = Requests(len(prompts), max_new_tokens, set(sampling.stop_ids), on_commit)
-        batch = (prompts, sampling.batch_size, capacity)
-        decode_batch(target, proposer, batch, requests, block_size, sampling.token(), generator, step)
-        results += requests.out
-    return results
+    whole = None
+    if fast.whole_step and sampling.temperature == 0 and WholeSteps.handles(proposer):
+        whole = WholeSteps(target, proposer, fast.compile, sampling.record_margins)
+
+    def batch(prompts: list[list[int]], requests: Requests) -> None:
+        decode_batch(target, proposer, prompts, shape, requests, token, generator, step, whole)
+
+    return in_batches(prompts_ids, sampling, max_new_tokens, on_commit, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Every batch of a call on the fast path: `rows` rows (padding rows fill a short batch) of `capacity` slots,
+    verified `block_size` tokens a step."""
+
+    rows: int
+    capacity: int
+    block_size: int = 1
+
+
+@dataclasses.dataclass
+class Batch:
+    """One batch's state on the fast path: the buffers of its slots and tokens (`Rows`' fields), its caches, the
+    pointer `end` of both (where the next block goes) and the rows still decoding (`live` their indices, None = all;
+    `live_mask` [rows])."""
+
+    key_mask: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    anchor: torch.Tensor
+    features: torch.Tensor | None
+    end: int
+    cache: TargetStaticCache
+    draft_cache: Any
+    live: torch.Tensor | None
+    live_mask: torch.Tensor
+
+    def rows(self) -> Rows:
+        """The proposer's view: the whole buffers (the drafter attends over the capacity, as the target does)."""
+        pending = None if self.features is None else self.features.shape[1]
+        context = None if pending is None else self.positions[:, self.end - pending : self.end]
+        return Rows(self.key_mask, self.positions, self.lengths, self.anchor, self.features, self.tokens, self.live,
+                    context)  # fmt: skip
 
 
 def decode_batch(
     target: Any,
     proposer: Proposer,
-    batch: tuple[list[list[int]], int, int],
+    prompts: list[list[int]],
+    shape: Shape,
     requests: Requests,
-    block_size: int,
     sampling: dict,
     generator: torch.Generator,
     step: Any,
+    whole: WholeSteps | None = None,
 ) -> None:
-    """speculative.decode_batch on `batch` = (prompts, rows, capacity), the verify forward being `step`."""
-    prompts, rows, capacity = batch
-    n, temperature = len(prompts), sampling["temperature"]
-    out, key_mask, positions, cache, tokens = start_batch(
-        target, prompts, rows, capacity, requests.max_new_tokens + 2 * block_size
-    )
-    device, end = key_mask.device, cache.length
-    lengths = key_mask.sum(-1)
-    live, alive = live_rows([False] * n, rows, device)
-    anchor = first_token(out.logits, generator=generator, live=live, **sampling)
-    done = [requests.commit(i, [t]) for i, t in enumerate(anchor[:n].tolist())]
-    tokens.scatter_(1, lengths[:, None], anchor[:, None])
-    features, draft_cache = proposer.pending(out.hidden, key_mask[:, :end].bool()), proposer.new_cache(capacity)
-    offsets = torch.arange(block_size, device=device)
-    finished = 0
+    """speculative.decode_batch on a batch of `shape`, the verify forward being `step`; with `whole` (greedy), each
+    steady step runs whole (dflash2/decoding/graphed.py)."""
+    block_size = shape.block_size
+    batch, done = start(target, proposer, prompts, shape, requests, sampling, generator)
+    finished, buffers, take_next = 0, None, None
     while True:
         if sum(done) != finished:
             finished = sum(done)
-            if finished == n:
+            if finished == len(prompts):
                 return
-            live, alive = live_rows(done, rows, device)
-        if end + block_size > capacity:
-            end = compact(key_mask, positions, end, 0 if features is None else features.shape[1], cache, draft_cache)
-            if end + block_size > capacity:
-                raise RuntimeError(f"the static capacity of {capacity} slots is full even after compaction")
+            batch.live, batch.live_mask = live_rows(done, shape.rows, batch.key_mask.device)
+            if buffers is not None:
+                buffers.live.copy_(batch.live_mask)
+        make_room(batch, shape.capacity, block_size, buffers)
+        if whole is not None and buffers is None and steady(batch, block_size):
+            buffers = whole.buffers(batch.tokens, batch.key_mask, block_size, batch.features)
+            load(buffers, batch)
+            take_next = whole.first_take(buffers)
+        if buffers is None:
+            steps = eager_step(batch, proposer, block_size, requests, sampling, generator, step)
+        else:
+            host, margins = whole(whole.kind(take_next, done), buffers, batch.cache, batch.draft_cache)
+            advance(batch, block_size)
+            steps = commits(host, block_size - 1, isinstance(proposer, Hybrid), margins)
+            take_next = [bool(row[-1]) for row in host]
+        done = [d or requests.commit(i, *s) for i, (d, s) in enumerate(zip(done, steps, strict=False))]
 
-        # The whole buffers: the drafter attends over the capacity, as the target does (its cache is static too).
-        context = None if features is None else positions[:, end - features.shape[1] : end]
-        state = Rows(key_mask, positions, lengths, anchor, features, tokens, live, context)
-        block_positions = lengths[:, None] + offsets
-        proposals, q = proposer(state, block_positions, draft_cache, temperature=temperature, generator=generator)
 
-        # Verify: the whole block enters the target's cache; the rejected slots (and a finished row's) are masked.
-        key_mask[:, end : end + block_size] = 1
-        out = step(torch.cat([anchor[:, None], proposals], -1), key_mask, block_positions, cache)
-        accepted, bonus = verify(out.logits, proposals, q, generator=generator, live=live, **sampling)
-        kept = (offsets[None] <= accepted[:, None]) & alive[:, None]
-        key_mask[:, end : end + block_size] = kept
-        positions[:, end : end + block_size] = block_positions
-        end += block_size
-        lengths = lengths + torch.where(alive, accepted + 1, 0)
-        tokens.scatter_(1, block_positions[:, 1:], proposals)
-        tokens.scatter_(1, lengths[:, None], bonus[:, None])
-        anchor = torch.where(alive, bonus, anchor)
-        features = proposer.pending(out.hidden, kept)
-        steps = committed(proposals, accepted, bonus)
-        done = [d or requests.commit(i, s) for i, (d, s) in enumerate(zip(done, steps, strict=False))]
+def start(
+    target: Any,
+    proposer: Proposer,
+    prompts: list[list[int]],
+    shape: Shape,
+    requests: Requests,
+    sampling: dict,
+    generator: torch.Generator,
+) -> tuple[Batch, list[bool]]:
+    """The prefill and the first token of every request -> the batch, and which requests are done."""
+    out, key_mask, positions, cache, tokens = start_batch(
+        target, prompts, shape.rows, shape.capacity, requests.max_new_tokens + 2 * shape.block_size
+    )
+    live, live_mask = live_rows([False] * len(prompts), shape.rows, key_mask.device)
+    anchor = first_token(out.logits, generator=generator, live=live, **sampling)
+    done = commit_one(requests, anchor, out.logits, [False] * len(prompts))
+    lengths = key_mask.sum(-1)
+    tokens.scatter_(1, lengths[:, None], anchor[:, None])
+    features = proposer.pending(out.hidden, key_mask[:, : cache.length].bool())
+    draft_cache = proposer.new_cache(shape.capacity)
+    batch = Batch(key_mask, positions, tokens, lengths, anchor, features, cache.length, cache, draft_cache, live,
+                  live_mask)  # fmt: skip
+    return batch, done
+
+
+def make_room(batch: Batch, capacity: int, block_size: int, buffers: StepBuffers | None) -> None:
+    """Compact the caches when the next block would not fit (`compact`)."""
+    if batch.end + block_size <= capacity:
+        return
+    pending = 0 if batch.features is None else batch.features.shape[1]
+    batch.end = compact(batch.key_mask, batch.positions, batch.end, pending, batch.cache, batch.draft_cache)
+    if batch.end + block_size > capacity:
+        raise RuntimeError(f"the static capacity of {capacity} slots is full even after compaction")
+    if buffers is not None:
+        buffers.end.fill_(batch.end)
+
+
+def steady(batch: Batch, block_size: int) -> bool:
+    """Whether the next step has the shapes of every later one: a verify block's features pending (or no drafter),
+    and the drafter's cache there for these rows."""
+    if batch.features is None:
+        return True
+    return batch.features.shape[1] == block_size and batch.draft_cache.allocated(batch.key_mask.shape[0])
+
+
+def load(buffers: StepBuffers, batch: Batch) -> None:
+    """The batch's state into the step's buffers, which from now on are the batch's (every step moves them)."""
+    buffers.load(
+        key_mask=batch.key_mask, positions=batch.positions, tokens=batch.tokens, lengths=batch.lengths,
+        anchor=batch.anchor, live=batch.live_mask, end=batch.end,
+        **({} if batch.features is None else {"features": batch.features}),
+    )  # fmt: skip
+    batch.key_mask, batch.positions, batch.tokens = buffers.key_mask, buffers.positions, buffers.tokens
+    batch.lengths, batch.anchor, batch.features = buffers.lengths, buffers.anchor, buffers.features
+
+
+def advance(batch: Batch, block_size: int) -> None:
+    """The host's copies of the pointers after a whole step, which moved the device's: both caches one block on."""
+    batch.end += block_size
+    batch.cache.length += block_size
+    if batch.draft_cache is not None:
+        batch.draft_cache.slots += block_size
+
+
+def eager_step(
+    batch: Batch,
+    proposer: Proposer,
+    block_size: int,
+    requests: Requests,
+    sampling: dict,
+    generator: torch.Generator,
+    step: Any,
+) -> list[tuple[list[int], str | None, list[list[float]] | None]]:
+    """One step in pieces: propose, verify (`step`), then the bookkeeping -> each row's commit."""
+    b, end = batch, batch.end
+    offsets = torch.arange(block_size, device=b.key_mask.device)
+    block_positions = b.lengths[:, None] + offsets
+    proposal = proposer(b.rows(), block_positions, b.draft_cache, temperature=sampling["temperature"],
+                        generator=generator)  # fmt: skip
+    proposals = proposal.tokens
+
+    # Verify: the whole block enters the target's cache; the rejected slots (and a finished row's) are masked.
+    b.key_mask[:, end : end + block_size] = 1
+    out = step(torch.cat([b.anchor[:, None], proposals], -1), b.key_mask, block_positions, b.cache)
+    accepted, bonus = verify(out.logits, proposals, proposal.q, generator=generator, live=b.live, **sampling)
+    kept = (offsets[None] <= accepted[:, None]) & b.live_mask[:, None]
+    b.key_mask[:, end : end + block_size] = kept
+    b.positions[:, end : end + block_size] = block_positions
+    b.end += block_size
+    b.lengths = b.lengths + torch.where(b.live_mask, accepted + 1, 0)
+    b.tokens.scatter_(1, block_positions[:, 1:], proposals)
+    b.tokens.scatter_(1, b.lengths[:, None], bonus[:, None])
+    b.anchor = torch.where(b.live_mask, bonus, b.anchor)
+    b.features = proposer.pending(out.hidden, kept)
+    return committed(proposal, accepted, bonus, top_margins(out.logits, requests.record_margins))
 
 
 @torch.no_grad()
@@ -265,32 +389,41 @@ def target_generate(
     target: Any,
     prompts_ids: list[list[int]],
     max_new_tokens: int,
-    sampling: Sampling | None = None,
+    sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     on_commit: OnCommit | None = None,
     fast: FastDecode = FastDecode(),
 ) -> list[Generation]:
     """speculative.target_generate on the fast path (same arguments, same results), its one-token step compiled under
     `fast.compile`. Like the reference, finished rows keep decoding (and drawing); only padding rows draw nothing."""
-    sampling = sampling or Sampling()
-    generator = generator or torch.Generator(device=target.lm_head_weight.device).manual_seed(0)
-    token_args = sampling.token()
-    rows, capacity = sampling.batch_size, fast.capacity_for(prompts_ids, max_new_tokens, 1)
+    generator, token = generator or default_generator(target), sampling.token()
+    shape = Shape(sampling.batch_size, fast.capacity_for(prompts_ids, max_new_tokens, 1))
     step = target.decode_step(fast.compile)
-    results: list[Generation] = []
-    for start in range(0, len(prompts_ids), rows):
-        prompts = prompts_ids[start : start + rows]
-        out, key_mask, _, cache, _ = start_batch(target, prompts, rows, capacity, 0)
-        end, lengths = cache.length, key_mask.sum(-1)
-        live, _ = live_rows([False] * len(prompts), rows, key_mask.device)
-        token = first_token(out.logits, generator=generator, live=live, **token_args)
-        requests = Requests(len(prompts), max_new_tokens, set(sampling.stop_ids), on_commit)
-        done = [requests.commit(i, [t]) for i, t in enumerate(token[: len(prompts)].tolist())]
-        while not all(done):
-            key_mask[:, end] = 1
-            out = step(token[:, None], key_mask, lengths[:, None], cache)
-            end, lengths = end + 1, lengths + 1
-            token = first_token(out.logits[:, -1], generator=generator, live=live, **token_args)
-            done = [d or requests.commit(i, [t]) for i, (d, t) in enumerate(zip(done, token.tolist(), strict=False))]
-        results += requests.out
-    return results
+
+    def batch(prompts: list[list[int]], requests: Requests) -> None:
+        decode_alone(target, prompts, shape, requests, token, generator, step)
+
+    return in_batches(prompts_ids, sampling, max_new_tokens, on_commit, batch)
+
+
+def decode_alone(
+    target: Any,
+    prompts: list[list[int]],
+    shape: Shape,
+    requests: Requests,
+    sampling: dict,
+    generator: torch.Generator,
+    step: Any,
+) -> None:
+    """speculative.decode_alone on a batch of `shape`, the one-token forward being `step`."""
+    out, key_mask, _, cache, _ = start_batch(target, prompts, shape.rows, shape.capacity, 0)
+    end, lengths = cache.length, key_mask.sum(-1)
+    live, _ = live_rows([False] * len(prompts), shape.rows, key_mask.device)
+    token = first_token(out.logits, generator=generator, live=live, **sampling)
+    done = commit_one(requests, token, out.logits, [False] * len(prompts))
+    while not all(done):
+        key_mask[:, end] = 1
+        out = step(token[:, None], key_mask, lengths[:, None], cache)
+        end, lengths = end + 1, lengths + 1
+        token = first_token(out.logits[:, -1], generator=generator, live=live, **sampling)
+        done = commit_one(requests, token, out.logits[:, -1], done)

@@ -21,8 +21,9 @@ from dflash2.decoding.lookup import PromptLookup
 
 def replayable(draft: Mapping[str, Any], temperature: float) -> bool:
     """Whether a run has a copy gap: a drafter's greedy run. At T > 0 the output depends on what was proposed, and
-    prompt lookup's own run is the replay itself. `draft` is results.json's `draft` entry."""
-    return draft["architecture"] != "PromptLookup" and temperature == 0
+    prompt lookup's own run is the replay itself, as are the lookup steps of a hybrid run. `draft` is results.json's
+    `draft` entry."""
+    return draft["architecture"] != "PromptLookup" and not draft.get("hybrid") and temperature == 0
 
 
 def lookup_accepts(

@@ -8,6 +8,7 @@ committed-length histogram of each reply of an evaluate.py run; `measure=true` d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -16,46 +17,97 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
-
-from dflash2.decoding import static as static_decode
-from dflash2.decoding.costs import measure_costs
-from dflash2.decoding.drafting import Drafter
-from dflash2.evaluation import checks
+from dflash2.decoding.costs import Timing, measure_costs
 from dflash2.evaluation import run as evaluation
-from dflash2.evaluation.speed_model import expected_steps, fill, predict, tau_of, truncate
+from dflash2.evaluation.loading import Loaded, TargetLoader, describe_draft, prompt_chat_template_kwargs, render
+from dflash2.evaluation.settings import EvaluationSettings, evaluation_settings
+from dflash2.evaluation.speed_model import cycled, expected_steps, predict, tau_of, truncate
 from dflash2.evaluation.speed_report import format_table
-from dflash2.evaluation.timing import baseline_speed, speed, timed_passes
+from dflash2.evaluation.timing import TimedPass, baseline_speed, speed, timed_passes
+from dflash2.evaluation.turns import Decoder, generate_turns
 from dflash2.model import kernels
 from dflash2.model.config import DFlash2Config
 from dflash2.model.contract import BLOCK_SIZE_RULE, valid_block_size
-from dflash2.model.drafter import DFlash2DraftModel
-from dflash2.progress import quiet_libraries
 from dflash2.target.manifest import MANIFEST_KEY
-from dflash2.target.model import resolve_device
 
 log = logging.getLogger(__name__)
 
 OWN_KEYS = ("batch_sizes", "block_sizes", "results", "measure", "costs", "output")  # what evaluate.py has not
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeedSettings:
+    """speed.py's settings (configs/speed.yaml), checked: the acceptance run's evaluation settings at the block the
+    speed-up is measured at, the blocks predicted, the batch sizes, earlier runs' acceptance (`results`, block size ->
+    {path, results}), whether to measure, how many steps and runs each cost takes, and the output folder."""
+
+    acceptance: EvaluationSettings
+    block_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    results: Mapping[int, dict[str, Any]]
+    measure: bool
+    steps: int
+    runs: int
+    output: Path
+    config: Mapping[str, Any]
+
+
 # ---------------------------------------------------------------------------------------------- the inputs
-def acceptance_block(cfg: DictConfig) -> int:
-    """The block the acceptance is decoded and the speed-up measured at: `block_size`, else the drafter's own
-    (config.json only), or prompt lookup's default."""
-    if cfg.drafter == checks.PLD:
-        return checks.prompt_lookup(cfg)[1]
-    return int(cfg.block_size or DFlash2Config.from_pretrained(Path(cfg.drafter).expanduser()).block_size)
+def speed_settings(values: Mapping[str, Any]) -> SpeedSettings:
+    """speed.py's resolved config as plain values -> its settings; everything refusable before a target loads."""
+    evaluate = {k: v for k, v in values.items() if k not in OWN_KEYS}
+    acceptance = evaluation_settings(evaluate)  # the drafter, repeats, block_size, chat_template_kwargs, lookup
+    for key in ("steps", "runs"):
+        value = values["costs"][key]
+        if type(value) is not int or value < 1:
+            raise ValueError(f"costs.{key}={value}: it must be an integer >= 1")
+    sizes = values["batch_sizes"]
+    if not sizes or any(type(b) is not int or b < 1 for b in sizes):
+        raise ValueError(f"batch_sizes={_typed(sizes)}: a list of integers >= 1, such as [1,8,32,100]")
+    block, given = acceptance.block_size, read_results(values, acceptance)
+    blocks = block_sizes(values.get("block_sizes"), block, given)
+    for b in blocks:
+        check_block(values.get("block_sizes"), b, block, given, acceptance)
+    # The acceptance run: an evaluate.py run of these settings at `block`, one pass, no baseline.
+    at_block = evaluate | {"block_size": block, "baseline": False, "repeats": 1}
+    return SpeedSettings(
+        acceptance=evaluation_settings(at_block),
+        block_sizes=tuple(sorted(set(blocks))),
+        batch_sizes=tuple(sizes),
+        results=given,
+        measure=bool(values["measure"]),
+        steps=values["costs"]["steps"],
+        runs=values["costs"]["runs"],
+        output=Path(values["output"]),
+        config=dict(values),
+    )
 
 
-def read_results(cfg: DictConfig) -> dict[int, dict[str, Any]]:
+def check_block(typed: Any, b: Any, block: int, given: Mapping[int, Any], acceptance: EvaluationSettings) -> None:
+    """One of the blocks to predict at, refused where it cannot be: not a block, above the acceptance's without a
+    run measured at it, or too small for prompt lookup."""
+    if not valid_block_size(b):
+        raise ValueError(f"block_sizes={_typed(typed)} holds {b!r}: {BLOCK_SIZE_RULE}")
+    if b > block and b not in given:
+        raise ValueError(
+            f"block_sizes={_typed(typed)} holds {b}, above block {block} where the acceptance is decoded: the "
+            f"truncation estimate only shortens blocks; give results=[<an evaluate.py run at block_size={b}>] or "
+            f"leave {b} out"
+        )
+    if acceptance.is_lookup or acceptance.hybrid is not None:
+        try:
+            acceptance.lookup.slots(b)
+        except ValueError as e:
+            raise ValueError(f"block_sizes={_typed(typed)} holds {b}: {e}") from None
+
+
+def read_results(values: Mapping[str, Any], acceptance: EvaluationSettings) -> dict[int, dict[str, Any]]:
     """`results=`: block size -> {path, results} of each evaluate.py run given, refused unless it measured this
     drafter (same folder, or the same manifest), bench, temperature and selector setting, one run per block."""
     runs: dict[int, dict[str, Any]] = {}
-    drafter = None if cfg.drafter == checks.PLD else Path(cfg.drafter).expanduser()
+    drafter = None if acceptance.is_lookup else Path(acceptance.drafter).expanduser()
     config = None if drafter is None else DFlash2Config.from_pretrained(drafter)
-    for given in cfg.results:
+    for given in values["results"]:
         path = Path(str(given)).expanduser()
         path = path / "results.json" if path.is_dir() else path
         try:
@@ -64,23 +116,26 @@ def read_results(cfg: DictConfig) -> dict[int, dict[str, Any]]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"results={given}: not an evaluate.py results.json ({e})") from None
         if config is None:
-            same = draft.get("name") == checks.PLD and draft.get("path") is None
+            same = draft.get("name") == acceptance.drafter and draft.get("path") is None
             selector = None
         else:
             manifest = config.extra.get(MANIFEST_KEY)
             same = draft.get("path") == str(drafter.resolve()) or (
                 manifest is not None and draft.get("manifest") == manifest
             )
-            selector = bool(cfg.selector) and config.use_selector
+            selector = acceptance.selector and config.use_selector
         wrong = [
             f"{key} {theirs!r} (here {ours!r})"
             for key, theirs, ours in (
-                ("bench", results.get("bench"), cfg.bench.name),
-                ("temperature", results.get("temperature"), float(cfg.temperature)),
+                ("bench", results.get("bench"), acceptance.bench),
+                ("temperature", results.get("temperature"), acceptance.temperature),
                 ("selector", draft.get("selector"), selector),
+                ("hybrid", draft.get("hybrid") is not None, acceptance.hybrid is not None),
             )
             if theirs != ours
-        ] + ([] if same else [f"drafter {draft.get('path') or draft.get('name')!r} (here drafter={cfg.drafter})"])
+        ] + (
+            [] if same else [f"drafter {draft.get('path') or draft.get('name')!r} (here drafter={acceptance.drafter})"]
+        )
         if wrong:
             raise ValueError(f"results={given} measured another setting: " + ", ".join(wrong))
         if block in runs or len(hist) != block or not sum(hist):
@@ -92,10 +147,10 @@ def read_results(cfg: DictConfig) -> dict[int, dict[str, Any]]:
     return runs
 
 
-def block_sizes(cfg: DictConfig, block: int, given: Mapping[int, Any]) -> list[Any]:
+def block_sizes(given_sizes: Any, block: int, given: Mapping[int, Any]) -> list[Any]:
     """`block_sizes` as given, or null's default: `block` and its halves down to 4, plus the blocks of `results`."""
-    if cfg.block_sizes is not None:
-        return list(cfg.block_sizes)
+    if given_sizes is not None:
+        return list(given_sizes)
     sizes, half = {block, *given}, block
     while half % 2 == 0 and half // 2 >= 4:
         half //= 2
@@ -103,52 +158,19 @@ def block_sizes(cfg: DictConfig, block: int, given: Mapping[int, Any]) -> list[A
     return sorted(sizes)
 
 
-def check_settings(cfg: DictConfig) -> tuple[int, list[int], dict[int, dict[str, Any]]]:
-    """Everything refusable before a target loads -> (the acceptance block, the blocks to predict at, `results`)."""
-    checks.check_settings(cfg)  # the drafter, repeats, block_size, chat_template_kwargs, prompt lookup
-    for key in ("costs.steps", "costs.runs"):
-        value = OmegaConf.select(cfg, key)
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{key}={value}: it must be an integer >= 1")
-    sizes = cfg.batch_sizes
-    if not sizes or any(type(b) is not int or b < 1 for b in sizes):
-        raise ValueError(f"batch_sizes={_typed(sizes)}: a list of integers >= 1, such as [1,8,32,100]")
-    block, given = acceptance_block(cfg), read_results(cfg)
-    blocks = block_sizes(cfg, block, given)
-    for b in blocks:
-        if not valid_block_size(b):
-            raise ValueError(f"block_sizes={_typed(cfg.block_sizes)} holds {b!r}: {BLOCK_SIZE_RULE}")
-        if b > block and b not in given:
-            raise ValueError(
-                f"block_sizes={_typed(cfg.block_sizes)} holds {b}, above block {block} where the acceptance is "
-                f"decoded: the truncation estimate only shortens blocks; give results=[<an evaluate.py run at "
-                f"block_size={b}>] or leave {b} out"
-            )
-        if cfg.drafter == checks.PLD:
-            try:
-                checks.prompt_lookup(cfg)[0].slots(b)
-            except ValueError as e:
-                raise ValueError(f"block_sizes={_typed(cfg.block_sizes)} holds {b}: {e}") from None
-    return block, sorted(set(blocks)), given
-
-
 def _typed(value: Any) -> str:
     """A setting's value as it is typed on the command line: [1,8] for a list."""
-    value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-    return json.dumps(value, separators=(",", ":")) if isinstance(value, list) else str(value)
+    return json.dumps(list(value), separators=(",", ":")) if isinstance(value, (list, tuple)) else str(value)
 
 
-def acceptance_run(cfg: DictConfig, block: int, run_dir: Path) -> dict[str, Any]:
-    """The acceptance at `block`: an evaluate.py run of these settings (kept when `run_dir` holds it already)."""
-    settings = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in OWN_KEYS])
-    with open_dict(settings):
-        settings.block_size, settings.baseline, settings.repeats = block, False, 1
-    results = evaluation.finished_run(settings, run_dir)
+def acceptance_run(settings: SpeedSettings, load_target: TargetLoader, run_dir: Path) -> dict[str, Any]:
+    """The acceptance at its block: an evaluate.py run of these settings (kept when `run_dir` holds it already)."""
+    results = evaluation.finished_run(settings.acceptance, run_dir)
     if results is not None:
         log.info("kept the acceptance run in %s (same settings)", run_dir)
         return results
-    log.info("decoding the acceptance at block %d into %s", block, run_dir)
-    return evaluation.evaluate(settings, run_dir)
+    log.info("decoding the acceptance at block %d into %s", settings.acceptance.block_size, run_dir)
+    return evaluation.evaluate(settings.acceptance, load_target, run_dir)
 
 
 def replies_of(results_path: str | Path, block: int) -> list[list[tuple[int, list[int]]]]:
@@ -164,29 +186,27 @@ def replies_of(results_path: str | Path, block: int) -> list[list[tuple[int, lis
 
 # ---------------------------------------------------------------------------------------------- the command
 def measure_speed(
-    cfg: DictConfig,
-    turns: Any,
-    target: Any,
-    draft: Any,
-    prompts: list[dict],
-    settings: dict,
-    block: int,
-    use_selector: bool,
-    batch: int,
+    settings: EvaluationSettings, loaded: Loaded, prompts: list[dict], chat_template_kwargs: Any, batch: int
 ) -> dict[str, Any]:
     """Speculative decoding and the target alone on the prompts cycled to whole batches of `batch`, timed as
     evaluate.py times them (`baseline=true`): tokens/s, speed-up, tau and, at T = 0, identical outputs."""
-    batch_settings = dict(settings, batch_size=batch)
-    cycled = fill(prompts, batch)
-    passes, reference = timed_passes(cfg, turns, target, draft, cycled, batch_settings, block, use_selector, True)
+    decoder = evaluation.decoder_of(settings, loaded, batch)
+    batches = cycled(prompts, batch)
+
+    def timed(d: Decoder) -> TimedPass:
+        return functools.partial(generate_turns, d, batches, settings.multi_turn, chat_template_kwargs)
+
+    passes, reference = timed_passes(
+        timed(decoder), timed(decoder.alone()), settings.repeats, settings.warmup, settings.seed, settings.device
+    )
     spec = speed(passes)
-    base = baseline_speed(reference, passes, spec["tokens_per_s_passes"], settings["temperature"])
+    base = baseline_speed(reference, passes, spec["tokens_per_s_passes"], settings.temperature)
     samples = passes[0][0]
     return {
         "tokens_per_s": spec["tokens_per_s"],
         "target_tokens_per_s": base["tokens_per_s"],
         "speedup": base["speedup"],
-        "tau": evaluation.acceptance_stats([s["accept_lengths"] for s in samples], block)["tau"],
+        "tau": evaluation.acceptance_stats([s["accept_lengths"] for s in samples], settings.block_size)["tau"],
         "identical_outputs": base.get("identical_outputs"),
         "num_requests": len(samples),
         "num_tokens": sum(len(s["output_ids"]) for s in samples),
@@ -242,62 +262,56 @@ def compare(
     return rows, best
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """The command on a composed configs/speed.yaml: writes <output>/speed.json and returns what it holds."""
-    quiet_libraries()
-    block, blocks, given = check_settings(cfg)  # before anything loads or is written
-    output = Path(cfg.output)
-    path = Path(given[block]["path"]) if block in given else output / "acceptance" / "results.json"
+def run(settings: SpeedSettings, load_target: TargetLoader) -> dict[str, Any]:
+    """The command on its checked settings: writes <output>/speed.json and returns what it holds."""
+    block, given = settings.acceptance.block_size, settings.results
+    path = Path(given[block]["path"]) if block in given else settings.output / "acceptance" / "results.json"
     if block not in given:
-        acceptance_run(cfg, block, path.parent)
-    hists = histograms(block, blocks, given, path)
+        acceptance_run(settings, load_target, path.parent)
+    hists = histograms(block, list(settings.block_sizes), given, path)
 
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
-    device = resolve_device(cfg.get("device"))
-    kernels.set_backend(cfg.kernels)
-    target, draft, identity, _, use_selector = evaluation.load_run(cfg, device)
-    chat_template_kwargs = evaluation.prompt_chat_template_kwargs(cfg, draft, target)
-    prompts, settings = evaluation.bench_prompts(cfg), evaluation.decode_settings(cfg, target)
+    # The measured runs decode as the acceptance run did, with the settings' own repeats and baseline.
+    measured_settings = dataclasses.replace(settings.acceptance, repeats=settings.config["repeats"])
+    loaded = evaluation.set_up(measured_settings, load_target)
+    chat_template_kwargs = prompt_chat_template_kwargs(measured_settings, loaded)
+    prompts = evaluation.bench_prompts(measured_settings)
     first_turns = [
-        evaluation.render(target.tokenizer, [{"role": "user", "content": p["turns"][0]}], chat_template_kwargs)
+        render(loaded.target.tokenizer, [{"role": "user", "content": p["turns"][0]}], chat_template_kwargs)
         for p in prompts
     ]
-    token = {k: settings[k] for k in ("temperature", "top_k", "top_p")}
-    timing = dict(steps=cfg.costs.steps, runs=cfg.costs.runs, warmup=int(bool(cfg.warmup)), seed=int(cfg.seed))
-    batches = {b: fill(first_turns, b)[:b] for b in cfg.batch_sizes}  # the first prompts, cycled
-    fast = static_decode.decode_mode(settings["decode"], settings["compile"], device)  # as the measured runs decode
-    compiled = None if fast is None else fast.compile
-    proposer = Drafter(target, draft, use_selector, compiled) if isinstance(draft, DFlash2DraftModel) else draft
-    costs = measure_costs(target, proposer, batches, blocks, token, **timing, fast=fast)  # first: shapes warm up here
+    s = measured_settings
+    token = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    timing = Timing(steps=settings.steps, runs=settings.runs, warmup=int(s.warmup), seed=s.seed)
+    batches = {b: cycled(first_turns, b)[:b] for b in settings.batch_sizes}  # the first prompts, cycled
+    proposer = loaded.proposer(s)  # as the measured runs decode: the fast path's steps compiled alike
+    costs = measure_costs(loaded.target, proposer, batches, list(settings.block_sizes), token, timing, s.decode)
     measured = {}
-    if cfg.measure:
-        turns = functools.partial(evaluation.generate_turns, chat_template_kwargs=chat_template_kwargs)
-        for b in cfg.batch_sizes:
-            measured[b] = measure_speed(cfg, turns, target, draft, prompts, settings, block, use_selector, b)
-    rows, best = compare(hists, costs, block, measured, fast is not None)
+    if settings.measure:  # after the costs: the shapes have warmed up there
+        for b in settings.batch_sizes:
+            measured[b] = measure_speed(s, loaded, prompts, chat_template_kwargs, b)
+    rows, best = compare(hists, costs, block, measured, s.decode is not None)
     result = {
-        "bench": cfg.bench.name,
+        "bench": s.bench,
         "num_prompts": len(prompts),
-        "temperature": settings["temperature"],
-        "max_new_tokens": settings["max_new_tokens"],
-        "device": str(device),
+        "temperature": s.temperature,
+        "max_new_tokens": s.max_new_tokens,
+        "device": str(s.device),
         "kernels": kernels.get_backend(),
-        "draft": evaluation.describe_draft(cfg, draft, use_selector, block),
-        "target": identity,
+        "draft": describe_draft(s, loaded),
+        "target": loaded.identity,
         "acceptance": {"block_size": block, "path": str(path)},
         "histograms": {str(b): h for b, h in hists.items()},
         "costs": costs,
         "rows": rows,
         "best_block": best,
-        "config": evaluation.settings_of(cfg),
+        "config": dict(settings.config),
     }
-    output.mkdir(parents=True, exist_ok=True)
-    tmp = output / "speed.json.tmp"  # speed.json appears whole or not at all
+    settings.output.mkdir(parents=True, exist_ok=True)
+    tmp = settings.output / "speed.json.tmp"  # speed.json appears whole or not at all
     tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, output / "speed.json")
+    os.replace(tmp, settings.output / "speed.json")
     print(format_table(result))
-    print(f"wrote {output / 'speed.json'}")
+    print(f"wrote {settings.output / 'speed.json'}")
     return result
 
 

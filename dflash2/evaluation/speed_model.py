@@ -70,13 +70,13 @@ def expected_steps(hist: Sequence[int], tokens: int) -> float:
     return k[tokens]
 
 
-def at(table: Mapping[int, float], rows: float) -> float:
+def cost_at(table: Mapping[int, float], rows: float) -> float:
     """A cost measured at some batch sizes, at `rows` live rows: linear between them, flat outside, r * cost(1) below
     one row (the share of the time a last, fractional, step happens)."""
     if rows <= 0:
         return 0.0
     if rows < 1:
-        return rows * at(table, 1)
+        return rows * cost_at(table, 1)
     sizes = sorted(table)
     if rows <= sizes[0] or rows >= sizes[-1]:
         return table[sizes[0] if rows <= sizes[0] else sizes[-1]]
@@ -86,7 +86,7 @@ def at(table: Mapping[int, float], rows: float) -> float:
     return table[sizes[lo]] + share * (table[sizes[hi]] - table[sizes[lo]])
 
 
-def fill(items: Sequence[T], batch: int) -> list[T]:
+def cycled(items: Sequence[T], batch: int) -> list[T]:
     """`items` cycled to whole batches of `batch`: every batch decoded is full."""
     return [items[i % len(items)] for i in range(-(-len(items) // batch) * batch)]
 
@@ -94,7 +94,7 @@ def fill(items: Sequence[T], batch: int) -> list[T]:
 def request_batches(replies: Sequence[Sequence[T]], batch: int) -> list[list[T]]:
     """Replies by prompt and turn -> the replies of each batch decoded, as `generate_turns` batches the prompts cycled
     to whole batches: turn by turn, `batch` requests at a time of the prompts that have that turn."""
-    prompts = fill(replies, batch)
+    prompts = cycled(replies, batch)
     batches = []
     for turn in range(max(len(p) for p in prompts)):
         todo = [p[turn] for p in prompts if turn < len(p)]
@@ -124,16 +124,16 @@ def predict(
         tokens += sum(lengths)
         if static:
             rows = batch
-            seconds += at(prefill, rows) + max(steps) * at(step, rows)
+            seconds += cost_at(prefill, rows) + max(steps) * cost_at(step, rows)
         else:
             live = [sum(min(max(k - j, 0.0), 1.0) for k in steps) for j in range(math.ceil(max(steps)))]
-            seconds += at(prefill, rows) + sum(at(step, r) for r in live)
-        target_seconds += at(target_prefill, rows) + (max(lengths) - 1) * at(target_step, rows)
+            seconds += cost_at(prefill, rows) + sum(cost_at(step, r) for r in live)
+        target_seconds += cost_at(target_prefill, rows) + (max(lengths) - 1) * cost_at(target_step, rows)
     return {
         "tokens_per_s": tokens / seconds,
         "target_tokens_per_s": tokens / target_seconds,
         "speedup": target_seconds / seconds,
-        "speedup_steady": tau * at(target_step, batch) / at(step, batch),
+        "speedup_steady": tau * cost_at(target_step, batch) / cost_at(step, batch),
     }
 
 

@@ -1,7 +1,7 @@
 """The summary of an evaluation sweep: one CSV row per run and its plots, written into the sweep folder.
 
-`python evaluate.py -m ...` calls `SweepSummary.on_multirun_end` (a Hydra callback) once every run has finished;
-`summarize_sweep(<sweep dir>)` does the same for any folder of runs, e.g. after adding runs by hand. A value a run
+`python evaluate.py -m ...` calls `summarize_sweep` once every run has finished (the command's Hydra callback,
+dflash2/commands/evaluate.py); it does the same for any folder of runs, e.g. after adding runs by hand. A value a run
 cannot have (tau_gap away from the drafter's trained block size, the copy gap of prompt lookup or at T > 0, ...) is
 an empty cell, and the row's `note` says why (`dflash2.evaluation.report.missing`).
 """
@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from hydra.experimental.callback import Callback
 
-from dflash2.evaluation.report import COPY_GAP_KEYS, missing
+from dflash2.evaluation.report import COPY_GAP_KEYS, HYBRID_KEYS, NOT_HYBRID, hybrid_values, missing
 
 log = logging.getLogger(__name__)
 # matplotlib is imported by the functions that plot: 0.3 s that every evaluate.py start would pay otherwise, and its
@@ -26,6 +25,7 @@ SUMMARY_CSV = "summary.csv"
 TAU_PLOT = "tau_by_bench.png"
 CURVE_PLOT = "per_position_accept.png"
 COPY_GAP_PLOT = "copy_gap.png"  # only when some run has a copy gap
+HYBRID_PLOT = "hybrid.png"  # only when some run is a hybrid's
 NOTE_SEPARATOR = "; "  # between the reasons of a row's note
 COLUMNS = [
     "run",
@@ -38,6 +38,7 @@ COLUMNS = [
     "tau_sim",
     "tau_gap",
     *COPY_GAP_KEYS,
+    *HYBRID_KEYS,
     "num_prompts",
     "num_steps",
     "num_tokens",
@@ -47,10 +48,16 @@ COLUMNS = [
 ]
 
 
+def summary_columns(hybrid: bool) -> list[str]:
+    """summary.csv's columns: the hybrid's split of the steps only where some run is a hybrid's."""
+    return COLUMNS if hybrid else [c for c in COLUMNS if c not in HYBRID_KEYS]
+
+
 def setting_label(row: dict[str, Any]) -> str:
-    """What distinguishes runs on one bench: temperature, block size, selector (and the draft when several).
-    `selector` None: nothing to switch (prompt lookup)."""
-    return f"T={row['temperature']:g} B={row['block_size']}{' no-selector' if row['selector'] is False else ''}"
+    """What distinguishes runs on one bench: temperature, block size, selector, prompt lookup beside the drafter (and
+    the draft when several). `selector` None: nothing to switch (prompt lookup)."""
+    hybrid = " hybrid" if row.get("hybrid") else ""
+    return f"T={row['temperature']:g} B={row['block_size']}{' no-selector' if row['selector'] is False else ''}{hybrid}"
 
 
 def load_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -69,11 +76,16 @@ def summary_table(runs: list[dict[str, Any]]) -> pd.DataFrame:
         row = {k: r.get(k) for k in COLUMNS}
         row.update(draft=r["draft"]["name"], selector=r["draft"]["selector"])
         row.update({k: (r.get("copy_gap") or {}).get(k) for k in COPY_GAP_KEYS})
-        row["setting"] = setting_label(row)
+        row.update(hybrid_values(r))
+        row["setting"] = setting_label(row | {"hybrid": r["draft"].get("hybrid")})
         row["note"] = NOTE_SEPARATOR.join(missing(r))
         rows.append(row)
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    numbers = ["tau", "tau_sim", "tau_gap", *COPY_GAP_KEYS, "tokens_per_s"]
+    hybrid = any(r.get("proposers") for r in runs)
+    for r, row in zip(runs, rows, strict=True):  # the hybrid columns only where some run has them
+        if hybrid and not r.get("proposers"):
+            row["note"] = NOTE_SEPARATOR.join(filter(None, [row["note"], NOT_HYBRID]))
+    table = pd.DataFrame(rows, columns=summary_columns(hybrid))
+    numbers = ["tau", "tau_sim", "tau_gap", *COPY_GAP_KEYS, *(HYBRID_KEYS if hybrid else ()), "tokens_per_s"]
     table[numbers] = table[numbers].astype(float)  # None -> NaN: a column of them all is still numbers
     if table["draft"].nunique() > 1:
         table["setting"] = table["draft"] + " " + table["setting"]
@@ -119,14 +131,6 @@ def tau_figure(table: pd.DataFrame) -> Any:
     ax.legend(fontsize="small", markerscale=0.3, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
-
-
-def plot_tau(table: pd.DataFrame, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = tau_figure(table)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_curves(runs: list[dict[str, Any]], table: pd.DataFrame, path: Path) -> None:
@@ -182,12 +186,45 @@ def copy_gap_figure(table: pd.DataFrame) -> Any:
     return fig
 
 
-def plot_copy_gap(table: pd.DataFrame, path: Path) -> bool:
-    """copy_gap.png when some run has a copy gap; whether it was written."""
+def hybrid_figure(table: pd.DataFrame) -> Any:
+    """Per bench, each hybrid run's tau, its lookup's and its drafter's on their own steps, and lookup's share of the
+    steps; None when no run is a hybrid's."""
     import matplotlib.pyplot as plt
 
-    fig = copy_gap_figure(table)
+    if "lookup_share" not in table:
+        return None
+    rows = table[table["lookup_share"].notna()]
+    benches = sorted(rows["bench"].unique())
+    widest = max((rows["bench"] == b).sum() for b in benches)
+    fig, axes = plt.subplots(1, len(benches), figsize=(max(4.5, 1.6 * widest + 1.5) * len(benches), 4), squeeze=False)
+    for ax, bench in zip(axes[0], benches, strict=True):
+        runs = rows[rows["bench"] == bench]
+        labels = [f"{s}\nlookup {share:.0%}" for s, share in zip(runs["setting"], runs["lookup_share"], strict=True)]
+        bars = pd.DataFrame(
+            {
+                "hybrid, all steps": runs["tau"].to_numpy(),
+                "lookup's steps": runs["tau_lookup"].to_numpy(),
+                "drafter's steps": runs["tau_drafter"].to_numpy(),
+            },
+            index=labels,
+        )
+        bars.plot.bar(ax=ax, rot=0, legend=False)
+        ax.set_title(bench)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.tick_params(axis="x", labelsize="small")
+    axes[0, 0].set_ylabel("tau (committed tokens per verify step)")
+    axes[0, -1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("hybrid: prompt lookup's steps and the drafter's (share of steps under each label)")
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig: Any, path: Path) -> bool:
+    """`fig` to `path`; no figure removes an earlier summary's file of that name (of runs no longer there)."""
+    import matplotlib.pyplot as plt
+
     if fig is None:
+        path.unlink(missing_ok=True)
         return False
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -195,8 +232,8 @@ def plot_copy_gap(table: pd.DataFrame, path: Path) -> bool:
 
 
 def summarize_sweep(sweep_dir: str | Path) -> pd.DataFrame:
-    """Write summary.csv, tau_by_bench.png, per_position_accept.png and (when some run has a copy gap) copy_gap.png
-    into sweep_dir; returns the table."""
+    """Write summary.csv, tau_by_bench.png, per_position_accept.png and, when some run has one, copy_gap.png and
+    hybrid.png into sweep_dir; returns the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,23 +243,13 @@ def summarize_sweep(sweep_dir: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no results.json under {sweep_dir}: did the sweep's runs fail?")
     table = summary_table(runs)
     table.to_csv(sweep_dir / SUMMARY_CSV, index=False)
-    plot_tau(table, sweep_dir / TAU_PLOT)
+    save_figure(tau_figure(table), sweep_dir / TAU_PLOT)
     plot_curves(runs, table, sweep_dir / CURVE_PLOT)
-    if not plot_copy_gap(table, sweep_dir / COPY_GAP_PLOT):
-        (sweep_dir / COPY_GAP_PLOT).unlink(missing_ok=True)  # an earlier summary's, of runs no longer there
+    save_figure(copy_gap_figure(table), sweep_dir / COPY_GAP_PLOT)
+    save_figure(hybrid_figure(table), sweep_dir / HYBRID_PLOT)
     return table
 
 
-class SweepSummary(Callback):
-    """Hydra callback: summarise the sweep folder when a multirun ends."""
-
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        try:
-            table = summarize_sweep(sweep_dir)
-        except FileNotFoundError as e:
-            log.error("%s", e)
-            return
-        print(format_summary(table))
-        plots = [TAU_PLOT, CURVE_PLOT] + [COPY_GAP_PLOT] * (sweep_dir / COPY_GAP_PLOT).is_file()
-        print(f"wrote {sweep_dir / SUMMARY_CSV}, {', '.join(plots[:-1])} and {plots[-1]}")
+def plots_written(sweep_dir: str | Path) -> list[str]:
+    """The plots of the summary in `sweep_dir`, by name."""
+    return [name for name in (TAU_PLOT, CURVE_PLOT, COPY_GAP_PLOT, HYBRID_PLOT) if (Path(sweep_dir) / name).is_file()]

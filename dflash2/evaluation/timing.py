@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
-
-from dflash2.decoding.lookup import PromptLookup
-from dflash2.model.drafter import DFlash2DraftModel
 
 log = logging.getLogger(__name__)
+
+# A timed pass over the prompts: (generator, whether to warm up first) -> (sample records, seconds).
+TimedPass = Callable[[torch.Generator, bool], tuple[list[dict], float]]
 
 
 def clock(target: Any) -> float:
@@ -41,33 +41,22 @@ def warn_compiles_in_pass(before: int, what: str) -> None:
         )
 
 
-def warmup(cfg: DictConfig, pass_index: int) -> bool:
-    return bool(cfg.warmup) and pass_index == 0  # one-off costs are paid once, before the first timed pass
-
-
 def timed_passes(
-    cfg: DictConfig,
-    turns: Any,
-    target: Any,
-    draft: DFlash2DraftModel | PromptLookup,
-    prompts: list[dict],
-    settings: dict[str, Any],
-    block_size: int,
-    use_selector: bool,
-    baseline: bool,
+    speculative: TimedPass,
+    alone: TimedPass | None,
+    repeats: int,
+    warmup: bool,
+    seed: int,
+    device: torch.device,
 ) -> tuple[list[tuple[list[dict], float]], list[tuple[list[dict], float]]]:
-    """`repeats` timed passes over the prompts (`turns`: `generate_turns` with the run's rendering) -> (speculative
-    passes, target-alone passes: empty unless `baseline`). Each pass starts from the same seed; the target alone
-    follows each pass, so the two speeds are compared pass by pass on a machine in the same state."""
-    device = target.lm_head_weight.device
-    spec = dict(settings, block_size=block_size, use_selector=use_selector)
+    """`repeats` timed passes of `speculative` -> (its passes, the target alone's: empty when `alone` is None). Each
+    pass starts from the same seed; the target alone follows each pass, so the two speeds are compared pass by pass on
+    a machine in the same state. One-off costs are paid once, before the first timed pass (`warmup`)."""
     passes, reference = [], []
-    for r in range(int(cfg.repeats)):
-        generator = torch.Generator(device).manual_seed(int(cfg.seed))
-        passes.append(turns(target, draft, prompts, spec, bool(cfg.multi_turn), generator, warmup(cfg, r)))
-        if baseline:
-            generator = torch.Generator(device).manual_seed(int(cfg.seed))
-            reference.append(turns(target, None, prompts, settings, bool(cfg.multi_turn), generator, warmup(cfg, r)))
+    for r in range(repeats):
+        passes.append(speculative(torch.Generator(device).manual_seed(seed), warmup and r == 0))
+        if alone is not None:
+            reference.append(alone(torch.Generator(device).manual_seed(seed), warmup and r == 0))
     return passes, reference
 
 

@@ -21,6 +21,7 @@ from dflash2.model.contract import (
     DIMS,
     SELECTOR_FIELDS,
     SHARED_TENSORS,
+    TensorDims,
     contract_name,
     review_config,
     tensor_table,
@@ -94,14 +95,34 @@ def _read_config(report: LintReport) -> dict[str, Any] | None:
 def _read_headers(report: LintReport) -> tuple[Tensors | None, set[str] | None]:
     """name -> (dtype, shape, file) for every tensor of every weight file, without reading tensor data, and the
     names that sit in unreadable files (None: unknown, so nothing can be called missing)."""
+    found = _weight_files(report)
+    if found is None:
+        return None, None
+    files, weight_map = found
+    tensors, unread = _headers(report, files)
+    if weight_map is None:
+        return tensors, None if unread else set()
+    present = set(files) - unread
+    wrong = sorted(k for k, (_, _, f) in tensors.items() if weight_map.get(k) != f)
+    lost = sorted(k for k, f in weight_map.items() if f in present and k not in tensors)
+    if wrong:
+        report.problems.append(f"{INDEX} does not map {_names(wrong)} to the shard that holds it: regenerate the index")
+    if lost:
+        report.problems.append(
+            f"{INDEX} lists {_names(lost)} but its shard lacks it: regenerate the index or re-export"
+        )
+    return tensors, {k for k, f in weight_map.items() if f in unread}
+
+
+def _weight_files(report: LintReport) -> tuple[list[str], dict[str, str] | None] | None:
+    """(the weight files, the index's weight_map, None without an index); None when there are no readable weights."""
     folder, problem = report.path, report.problems.append
-    weight_map: dict[str, str] | None = None
     if (folder / INDEX).is_file():
         try:
             weight_map = dict(json.loads((folder / INDEX).read_text())["weight_map"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             problem(f"{INDEX} is unreadable or has no weight_map ({e!r}): regenerate it (re-export)")
-            return None, None
+            return None
         if (folder / SINGLE).is_file():
             problem(f"both {SINGLE} and {INDEX} exist: engines disagree on which one to load; keep one")
         files = sorted(set(weight_map.values()))
@@ -110,12 +131,16 @@ def _read_headers(report: LintReport) -> tuple[Tensors | None, set[str] | None]:
                 f"shard {extra} is missing from {INDEX}: engines never load its tensors; add them to the "
                 "weight_map or delete the file"
             )
-    elif (folder / SINGLE).is_file():
-        files = [SINGLE]
-    else:
-        problem(f"no weights: neither {SINGLE} nor {INDEX} in {folder}")
-        return None, None
+        return files, weight_map
+    if (folder / SINGLE).is_file():
+        return [SINGLE], None
+    problem(f"no weights: neither {SINGLE} nor {INDEX} in {folder}")
+    return None
 
+
+def _headers(report: LintReport, files: list[str]) -> tuple[Tensors, set[str]]:
+    """(name -> (dtype, shape, file) of every tensor in `files`, the files that could not be read)."""
+    folder, problem = report.path, report.problems.append
     tensors: Tensors = {}
     unread: set[str] = set()
     for name in files:
@@ -133,16 +158,7 @@ def _read_headers(report: LintReport) -> tuple[Tensors | None, set[str] | None]:
         except Exception as e:  # safetensors raises its own error type for a truncated or foreign file
             problem(f"{name} is unreadable ({e}): the file is truncated or not safetensors; re-copy or re-export it")
             unread.add(name)
-    if weight_map is None:
-        return tensors, None if unread else set()
-    present = set(files) - unread
-    wrong = sorted(k for k, (_, _, f) in tensors.items() if weight_map.get(k) != f)
-    lost = sorted(k for k, f in weight_map.items() if f in present and k not in tensors)
-    if wrong:
-        problem(f"{INDEX} does not map {_names(wrong)} to the shard that holds it: regenerate the index")
-    if lost:
-        problem(f"{INDEX} lists {_names(lost)} but its shard lacks it: regenerate the index or re-export")
-    return tensors, {k for k, f in weight_map.items() if f in unread}
+    return tensors, unread
 
 
 # ---------------------------------------------------------------------- config.json
@@ -191,15 +207,7 @@ def _check_tensors(
     report: LintReport,
 ) -> None:
     """dtypes, then names and shapes against the contract's table for `fields` (None: dimensions unknown)."""
-    problem = report.problems.append
-    by_dtype: dict[str, list[str]] = {}
-    for name, (dtype, _, _) in sorted(tensors.items()):
-        if dtype != "BF16":
-            by_dtype.setdefault(dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        problem(f"{len(names)} tensor(s) stored as {dtype}, not bf16: {_names(names)}; cast them to bfloat16")
-    for name in sorted(n for n in tensors if n.startswith(SHARED_TENSORS)):
-        problem(f"unexpected tensor {name}: the drafter shares the target's embedding and head; drop it")
+    _check_dtypes(tensors, report)
     if fields is None:
         report.notes.append("tensor names and shapes not checked: fix the model dimensions in config.json first")
         return
@@ -209,10 +217,36 @@ def _check_tensors(
     def judged(name: str) -> bool:
         return not any(p.search(name) for p, _ in skip)
 
-    expected = {k: v for k, v in tensor_table(**fields).items() if judged(k)}
+    expected = {k: v for k, v in tensor_table(TensorDims(**fields)).items() if judged(k)}
     found = {k: v[1] for k, v in tensors.items() if judged(k) and not k.startswith(SHARED_TENSORS)}
     # Tensors of an unreadable file were reported with the file; with no index, nothing can be called missing.
     missing = set(expected) - set(found) - unread if unread is not None else set()
+    unknown = _check_names(expected, found, missing, report)
+    _check_unknown(unknown, fields, report)
+    _check_missing(missing, report)
+    _check_shapes(expected, found, report)
+
+
+def _check_dtypes(tensors: Tensors, report: LintReport) -> None:
+    """Every tensor bf16, none of the target's shared ones."""
+    by_dtype: dict[str, list[str]] = {}
+    for name, (dtype, _, _) in sorted(tensors.items()):
+        if dtype != "BF16":
+            by_dtype.setdefault(dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        report.problems.append(
+            f"{len(names)} tensor(s) stored as {dtype}, not bf16: {_names(names)}; cast them to bfloat16"
+        )
+    for name in sorted(n for n in tensors if n.startswith(SHARED_TENSORS)):
+        report.problems.append(f"unexpected tensor {name}: the drafter shares the target's embedding and head; drop it")
+
+
+def _check_names(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], missing: set[str], report: LintReport
+) -> dict[str, list[str]]:
+    """The found tensors the contract does not name: a misnamed one (a `model.` prefix, a codebook's `.weight`) is
+    reported and taken off `missing`; the others are returned by group (conv, selector, other)."""
+    problem = report.problems.append
     renamed, unknown = [], {"conv": [], "selector": [], "other": []}
     for name in sorted(set(found) - set(expected)):
         fixed = contract_name(name)
@@ -231,18 +265,25 @@ def _check_tensors(
             f"{len(renamed)} tensor(s) carry a 'model.' prefix ({_names(renamed)}): engines look names up "
             "without it; strip the prefix"
         )
+    return unknown
+
+
+def _check_unknown(unknown: dict[str, list[str]], fields: dict[str, int], report: LintReport) -> None:
     off = {"conv": not fields.get("conv_kernel_size"), "selector": not fields.get("selector_rank"), "other": False}
     for group, names in unknown.items():
         if names and off[group]:
-            problem(
+            report.problems.append(
                 f"unexpected {group} tensor(s) {_names(names)} but the {group} fields are 0: set them in "
                 "dflash_config or drop the tensors"
             )
         elif names:
-            problem(
+            report.problems.append(
                 f"unexpected tensor(s) {_names(names)}: not in the contract for this config and engines "
                 "ignore them silently; drop them or fix the config"
             )
+
+
+def _check_missing(missing: set[str], report: LintReport) -> None:
     lost = {"conv": [], "selector": [], "other": []}
     for name in sorted(missing):
         lost[_group(name)].append(name)
@@ -250,15 +291,20 @@ def _check_tensors(
            "other": "the drafter cannot load"}  # fmt: skip
     for group, names in lost.items():
         if names:
-            problem(f"missing tensor(s) {_names(names)}: {why[group]}; re-export from the training checkpoint")
+            report.problems.append(
+                f"missing tensor(s) {_names(names)}: {why[group]}; re-export from the training checkpoint"
+            )
+
+
+def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], report: LintReport) -> None:
     mismatched = [(k, found[k], v) for k, v in sorted(expected.items()) if k in found and found[k] != v]
     for name, got, want in mismatched[:8]:
-        problem(
+        report.problems.append(
             f"tensor {name} has shape {list(got)}, expected {list(want)} from config.json: the weights and "
             "the config disagree; fix the config's dimensions or re-export"
         )
     if len(mismatched) > 8:
-        problem(
+        report.problems.append(
             f"{len(mismatched) - 8} more shape mismatches: check hidden_size, heads, head_dim and "
             "intermediate_size in config.json"
         )

@@ -67,8 +67,8 @@ VLLM_CAPTURE = frozenset(
     SarvamMLAForCausalLM Step1ForCausalLM TeleChat2ForCausalLM TeleChat3ForCausalLM TeleFLMForCausalLM
     """.split()
 )
-# The embedded target's architecture (its GGUF dequantizes to a transformers Llama), for drafters whose manifest was
-# written before `target_architectures` was recorded.
+# The embedded target's architecture (its GGUF dequantizes to a transformers Llama), for drafters whose manifest does
+# not record `target_architectures`.
 EMBEDDED_ARCHITECTURES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "LlamaForCausalLM"}
 
 
@@ -110,10 +110,9 @@ def review_engines(raw: Mapping[str, Any]) -> EngineReview:
     fields = ("block_size", "target_layer_ids", "num_target_layers", *CONV_FIELDS, *SELECTOR_FIELDS)
     if review.faulty(*fields):
         return out
-    values, warn, note = review.values, out.warnings.append, out.notes.append
+    values = review.values
     conv, selector = bool(values["conv_kernel_size"]), bool(values["selector_rank"])
-    ids, depth = list(values["target_layer_ids"]), values["num_target_layers"]
-    b = out.block_size = values["block_size"]
+    out.block_size = values["block_size"]
     layer_types = raw.get("layer_types") or []
     mixed = 0 < sum(t == "sliding_attention" for t in layer_types) < len(layer_types)
 
@@ -121,63 +120,81 @@ def review_engines(raw: Mapping[str, Any]) -> EngineReview:
     out.sglang = selector or not conv
     out.vllm = conv == selector
     out.v2_runner = out.vllm and (selector or mixed)
+    _shape_warnings(conv, selector, out)
+    _layer_warnings(list(values["target_layer_ids"]), values["num_target_layers"], out)
+    manifest = raw.get(MANIFEST_KEY) if isinstance(raw.get(MANIFEST_KEY), Mapping) else None
+    _target_review(manifest, out)
+    kwargs = manifest_chat_template_kwargs(dict(manifest) if manifest else None)
+    if kwargs:
+        out.notes.append(
+            f"training rendered its chats with chat_template_kwargs {json.dumps(kwargs)}: serve with"
+            f"{serve_flags(manifest)} (both engines take it) so that requests render alike"
+        )
+    _serving_notes(selector, out)
+    return out
+
+
+def _shape_warnings(conv: bool, selector: bool, out: EngineReview) -> None:
+    """A DFlash2 drafter with one of its two heads: which engine refuses it."""
     if conv and not selector:
-        warn(
+        out.warnings.append(
             f"a conv-only DFlash2 drafter: neither {SGLANG} (its DFlash2DraftModel requires the selector) nor {VLLM} "
             "(it builds the conv and the selector from all four fields) loads it; only dflash2's evaluator serves it. "
             "Train with the selector too (draft.selector_rank, draft.selector_top_k) to serve it"
         )
     elif selector and not conv:
-        warn(
+        out.warnings.append(
             f"a selector-only DFlash2 drafter: {VLLM} does not load it (it builds the conv from conv fields of 0); "
             f"{SGLANG} serves it. Train with the conv too (draft.conv_kernel_size, draft.conv_group_size) for vLLM"
         )
-    # The target layers: both engines concatenate the captured features in ascending layer order, and capture the
-    # state after layer id as the input of layer id + 1.
+
+
+def _layer_warnings(ids: list[int], depth: int, out: EngineReview) -> None:
+    """The target layers: both engines concatenate the captured features in ascending layer order, and capture the
+    state after layer id as the input of layer id + 1."""
     if ids != sorted(set(ids)):
-        warn(
+        out.warnings.append(
             f"target_layer_ids {ids} are not strictly ascending: {SGLANG} and {VLLM} concatenate the features in "
             "ascending layer order (vLLM sorts and deduplicates them), so fc reads them in another order than it was "
             "trained on; retrain with ascending ids"
         )
     if depth - 1 in ids:
-        warn(
+        out.warnings.append(
             f"target_layer_ids include the target's last layer ({depth - 1} of num_target_layers {depth}): {SGLANG} "
             f"never captures it (it captures before layer id + 1), so the features no longer fit fc, and {VLLM} "
             "captures it before the final norm, where training read it after; retrain without it (the default ids "
             "stop at N - 3)"
         )
-    # The target: an engine serves a drafter only for a target whose layers it can capture.
-    manifest = raw.get(MANIFEST_KEY) if isinstance(raw.get(MANIFEST_KEY), Mapping) else None
+
+
+def _target_review(manifest: Mapping[str, Any] | None, out: EngineReview) -> None:
+    """The target: an engine serves a drafter only for a target whose layers it can capture."""
     arch = out.target_architecture = target_architecture(manifest)
     if arch is None:
-        note(
+        out.notes.append(
             f"the target's architecture is not recorded ({MANIFEST_KEY}.target_architectures): check that {SGLANG} "
             "captures DFlash layers from it (Llama and Qwen3 families do; Qwen2 and Gemma 3 do not) and that "
             f"{VLLM} does (its EAGLE-3 capture: Llama, Qwen2, Qwen3 and others)"
         )
-    else:
-        captures = {SGLANG: arch in SGLANG_CAPTURE, VLLM: arch in VLLM_CAPTURE}
-        missing = [e for e, ok in captures.items() if not ok]
-        if missing:
-            able = [e for e, ok in captures.items() if ok]
-            warn(
-                f"target architecture {arch}: {' and '.join(missing)} capture{'s' if len(missing) == 1 else ''} no "
-                f"layers from it for DFlash (SGLang: the Llama and Qwen3 families, not Qwen2 or Gemma 3), so "
-                f"{'it cannot' if len(missing) == 1 else 'neither can'} serve this drafter with its target"
-                + (f"; {able[0]} can" if able else "")
-            )
-        else:
-            known = "" if target_architectures(dict(manifest or {})) else " (the embedded SmolLM2's; not recorded)"
-            note(f"target architecture {arch}{known}: {SGLANG} and {VLLM} capture its layers")
-
-    kwargs = manifest_chat_template_kwargs(dict(manifest) if manifest else None)
-    if kwargs:
-        note(
-            f"training rendered its chats with chat_template_kwargs {json.dumps(kwargs)}: serve with"
-            f"{serve_flags(manifest)} (both engines take it) so that requests render alike"
+        return
+    captures = {SGLANG: arch in SGLANG_CAPTURE, VLLM: arch in VLLM_CAPTURE}
+    missing = [e for e, ok in captures.items() if not ok]
+    if missing:
+        able = [e for e, ok in captures.items() if ok]
+        out.warnings.append(
+            f"target architecture {arch}: {' and '.join(missing)} capture{'s' if len(missing) == 1 else ''} no "
+            f"layers from it for DFlash (SGLang: the Llama and Qwen3 families, not Qwen2 or Gemma 3), so "
+            f"{'it cannot' if len(missing) == 1 else 'neither can'} serve this drafter with its target"
+            + (f"; {able[0]} can" if able else "")
         )
-    # How each engine serves the shape.
+    else:
+        known = "" if target_architectures(dict(manifest or {})) else " (the embedded SmolLM2's; not recorded)"
+        out.notes.append(f"target architecture {arch}{known}: {SGLANG} and {VLLM} capture its layers")
+
+
+def _serving_notes(selector: bool, out: EngineReview) -> None:
+    """How each engine serves the shape."""
+    b, note = out.block_size, out.notes.append
     if out.sglang:
         note(f"{SGLANG} serves it: --speculative-algorithm DFLASH --speculative-num-draft-tokens {b} (the block size)")
     else:
@@ -196,7 +213,6 @@ def review_engines(raw: Mapping[str, Any]) -> EngineReview:
         )
     else:
         note(f"{VLLM} cannot serve it (see the warnings)")
-    return out
 
 
 def serve_flags(manifest: Mapping[str, Any] | None) -> str:

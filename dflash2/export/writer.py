@@ -54,7 +54,7 @@ def model_card(cfg: DFlash2Config, info: dict[str, Any]) -> str:
     table = "\n".join(["| metric | value |", "|---|---|"] + [f"| `{k}` | {_number(v)} |" for k, v in metrics])
     tags = ", ".join(dict.fromkeys(["speculative-decoding", "dflash", kind.lower()]))  # a DFlash drafter: one dflash
     front = ["library_name: dflash2", f"tags: [{tags}]"]
-    # The Hub's base_model is a hub id: the served one when it is one, else the target's name as before.
+    # The Hub's base_model is a hub id: the served one when it is one; else the target's name, which names it.
     base = served if _is_hub_id(served) else manifest.get("target")
     front += [f"base_model: {base}"] if base else []
     return f"""---
@@ -144,7 +144,7 @@ python -m sglang.launch_server --model-path {served} \\
 
 def served_target(manifest: dict[str, Any]) -> str:
     """What the card's serve commands load: the manifest's `serve_model` (a hub id, or a local folder the user gave);
-    for manifests written before it, the folder training loaded unless that is a dequantized copy of the embedded
+    for a manifest without one, the folder training loaded unless that is a dequantized copy of the embedded
     SmolLM2 in some machine's cache, which is served as SmolLM2's hub id; else a placeholder to fill in."""
     from dflash2.target.locate import SMOLLM2_HUB_ID, is_dequantized_smollm2
 
@@ -299,32 +299,3 @@ def _move_into_place(tmp: Path, output_dir: Path, overwrite: bool) -> None:
         raise
     finally:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def main(cfg: Any) -> int:
-    """The `export.py` command: `check=<dir>` lints a folder, `ckpt_path=... output_dir=...` exports one."""
-    if cfg.get("check"):
-        report = lint(cfg.check)
-        print(report.format())
-        return 0 if report.ok else 1
-    if not cfg.get("ckpt_path") or not cfg.get("output_dir"):
-        print(
-            "usage: python export.py ckpt_path=<run dir (its best by val/tau_sim) or .ckpt> output_dir=<dir> "
-            "[max_shard_size=5GB] "
-            "[overwrite=true] [allow_pickle=true]\n       python export.py check=<drafter dir>\n"
-            "Quote paths that contain '=' (Lightning's epoch=1-step=10.ckpt) for Hydra: 'ckpt_path=\"<path>\"'"
-        )
-        return 2
-    try:
-        out = export_checkpoint(
-            cfg.ckpt_path,
-            cfg.output_dir,
-            cfg.get("max_shard_size", "5GB"),
-            bool(cfg.get("overwrite", False)),
-            bool(cfg.get("allow_pickle", False)),
-        )
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"export failed: {e}")
-        return 1
-    print(lint(out).format())
-    return 0

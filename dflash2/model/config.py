@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash2.model.contract import DFLASH_FIELDS, Problem, review_config, tensor_table
+from dflash2.model.contract import DFLASH_FIELDS, Problem, TensorDims, review_config, tensor_table
 
 # Keys that to_dict() writes from the fields themselves; reading them back must not duplicate them in `extra`.
 DERIVED_KEYS = (
@@ -187,15 +187,17 @@ class DFlash2Config:
 def tensor_shapes(cfg: DFlash2Config) -> dict[str, tuple[int, ...]]:
     """The contract's tensor table (section 3) for this config: the exact names and shapes of model.safetensors."""
     return tensor_table(
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.num_hidden_layers,
-        len(cfg.target_layer_ids),
-        cfg.vocab_size,
-        cfg.conv_kernel_size,
-        cfg.conv_group_size,
-        cfg.selector_rank,
+        TensorDims(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.num_hidden_layers,
+            len(cfg.target_layer_ids),
+            cfg.vocab_size,
+            cfg.conv_kernel_size,
+            cfg.conv_group_size,
+            cfg.selector_rank,
+        )
     )

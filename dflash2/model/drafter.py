@@ -119,12 +119,16 @@ class StaticDraftCache(DraftCache):
     the whole capacity, the slots past the pointer masked, as the target's static cache does: shapes and addresses
     stay fixed from step to step, which a compiled step (and a CUDA graph) needs, and no step copies the cache
     (DraftCache concatenates it). `reset()` empties it for the next batch and keeps its buffers, so that their
-    addresses stay fixed from batch to batch too."""
+    addresses stay fixed from batch to batch too.
+
+    The pointer lives on the device (`pointer`, where the next forward writes) and on the host (`slots`, the slots
+    held): a step captured whole (dflash2/decoding/graphed.py) moves the device's itself, its graph then the same
+    whatever the pointer's value, and its host keeps `slots` in step."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         super().__init__(num_layers)
         self.capacity, self.slots = capacity, 0
-        self.write_index: torch.Tensor | None = None
+        self.pointer: torch.Tensor | None = None  # [1] long, on the buffers' device
 
     @property
     def length(self) -> int:
@@ -136,15 +140,22 @@ class StaticDraftCache(DraftCache):
 
     def reset(self) -> None:
         """Empty: the pointer back to slot 0, the buffers kept (what they hold is masked until written again)."""
-        self.slots, self.write_index = 0, None
+        self.slots = 0
 
     def reserve(self, count: int, device: torch.device) -> None:
         """The next forward writes slots [length, length + count) of every row; the pointer moves past them."""
         if self.slots + count > self.capacity:
             needed = self.slots + count
             raise RuntimeError(f"the drafter's static cache holds {self.capacity} slots; {needed} were asked for")
-        self.write_index = torch.arange(self.slots, self.slots + count, device=device)
+        self.device_pointer(device).fill_(self.slots)
         self.slots += count
+
+    def device_pointer(self, device: torch.device) -> torch.Tensor:
+        """`pointer`, made on `device` the first time (at a fixed address, which a compiled step reads in place)."""
+        if self.pointer is None or self.pointer.device != torch.device(device):
+            self.pointer = torch.zeros(1, dtype=torch.long, device=device)
+            torch._dynamo.mark_static_address(self.pointer)
+        return self.pointer
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         held, shape = self.keys[layer], (*k.shape[:2], self.capacity, k.shape[3])
@@ -152,8 +163,9 @@ class StaticDraftCache(DraftCache):
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
             for buffer in (self.keys[layer], self.values[layer]):  # a compiled step mutates them in place, which
                 torch._dynamo.mark_static_address(buffer)  # CUDA graphs allow at fixed addresses only
-        self.keys[layer].index_copy_(2, self.write_index, k)
-        self.values[layer].index_copy_(2, self.write_index, v)
+        index = self.pointer + torch.arange(k.shape[2], device=k.device)
+        self.keys[layer].index_copy_(2, index, k)
+        self.values[layer].index_copy_(2, index, v)
         return self.keys[layer], self.values[layer]
 
     def keep(self, index: torch.Tensor) -> None:
@@ -187,6 +199,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
+    def context_kv(
+        self, ctx: torch.Tensor | None, rope_c: tuple | None, cache: DraftCache | None, empty: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context's keys/values for this layer (`empty` [b, kv_heads, 0, head_dim] when there is none), with what
+        `cache` holds before them. Context is projected by this layer's k/v (with k_norm) but never normed or convolved
+        itself, so it can enter the cache without a block (`DFlash2DraftModel.ingest`)."""
+        kc, vc = (empty, empty) if ctx is None else self._kv(ctx, *rope_c)
+        if cache is not None:
+            kc, vc = cache.update(self.layer, kc, vc)
+        return kc, vc
+
     def forward(
         self,
         x: torch.Tensor,
@@ -200,13 +223,7 @@ class Attention(nn.Module):
         qh = self.q_norm(self.q_proj(x).view(b, q, self.heads, self.head_dim)).transpose(1, 2)
         qh = apply_rope(qh, *rope_q)
         kb, vb = self._kv(x, *rope_q)
-        # Context is projected by this layer's k/v (with k_norm) but never normed or convolved itself.
-        if ctx is not None:
-            kc, vc = self._kv(ctx, *rope_c)
-        else:
-            kc = vc = kb.new_zeros(b, self.kv_heads, 0, self.head_dim)
-        if cache is not None:
-            kc, vc = cache.update(self.layer, kc, vc)
+        kc, vc = self.context_kv(ctx, rope_c, cache, empty=kb[:, :, :0])
         k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
         if BlockMask is not None and isinstance(mask, BlockMask):
             # Inside a compiled drafter flex attention is traced into its graph; a nested torch.compile would break it.
@@ -310,6 +327,14 @@ class DFlash2DraftModel(nn.Module):
         for layer in self.layers:
             h = layer(h, context, rope_q, rope_c, attention_mask, cache, block_size)
         return self.norm(h)
+
+    def ingest(self, context: torch.Tensor, context_positions: torch.Tensor, cache: DraftCache) -> None:
+        """Fused context [b, c, H] at its positions into every layer's `cache`, with no block: what `forward` writes
+        there before the block attends, for a step whose block some other proposer drafted."""
+        rope_c = self.rotary(context_positions)
+        empty = context.new_zeros(0)
+        for layer in self.layers:
+            layer.self_attn.context_kv(context, rope_c, cache, empty)
 
     # ------------------------------------------------------------------ checkpoints in the contract layout
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:

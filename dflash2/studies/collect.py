@@ -53,10 +53,10 @@ def collect(plan: Plan) -> dict[str, Any]:
     commands = {
         k: v for k, v in read_json(work / "commands.json", {}).items() if k in sweeps or not k.startswith("evaluate.")
     }
-    build = {"acceptance": acceptance, "ablation": ablation, "depth": depth}[plan.study.collect]
+    build = {"acceptance": acceptance, "ablation": ablation, "depth": depth}[plan.study["collect"]]
     result = build(plan, summary, gaps, commands) | {"card": card(), "commands": commands}
-    write_json(work / OUTPUT[plan.study.collect], result)
-    log.info("collect: wrote %s\n%s", work / OUTPUT[plan.study.collect], show(result, plan.study.collect))
+    write_json(work / OUTPUT[plan.study["collect"]], result)
+    log.info("collect: wrote %s\n%s", work / OUTPUT[plan.study["collect"]], show(result, plan.study["collect"]))
     return result
 
 
@@ -181,12 +181,12 @@ def depth(plan: Plan, summary: pd.DataFrame, gaps: dict, commands: dict[str, str
         rows.append(
             {
                 "name": name, "layers": d.num_layers, "target_layer_ids": d.layers, "steps": trained["steps"],
-                "max_steps": sized.get("max_steps"), "minutes": plan.study.minutes,
+                "max_steps": sized.get("max_steps"), "minutes": plan.study["minutes"],
                 "train_minutes": trained["train_minutes"], "steps_per_s": sized.get("probe", {}).get("steps_per_s"),
                 **final_validation(run), "tau": tau.get(name, {}), "copy_gap": gap.get(name, {}),
             }
         )  # fmt: skip
-    return {"setting": SETTING, "minutes": plan.study.minutes, "depths": rows, PLD: {"tau": tau.get(PLD, {})}}
+    return {"setting": SETTING, "minutes": plan.study["minutes"], "depths": rows, PLD: {"tau": tau.get(PLD, {})}}
 
 
 def show(result: dict[str, Any], kind: str) -> str:

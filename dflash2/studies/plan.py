@@ -1,5 +1,6 @@
-"""A study's config (configs/study.yaml, configs/study/<name>.yaml) made into the commands it runs, every setting
-checked before anything runs: each message names the setting as it is typed (`study.drafters=[dflashh]`).
+"""A study's plan (`Plan`: the commands it runs) and the checks of its settings that need nothing loaded, on the
+settings as plain values (dflash2/commands/study_plan.py composes and checks the rest): each message names the setting
+as it is typed (`study.drafters=[dflashh]`).
 
 Nothing here runs a command or writes a file; dflash2/studies/runner.py runs the plan.
 """
@@ -9,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: where train.py, export.py and evaluate.py are
 STAGES = ("data", "features", "train", "export", "evaluate", "speed", "collect")
@@ -30,8 +29,6 @@ DEPENDENCY = re.compile(r"[^=]+=@(.+)")
 
 def bad(key: str, value: Any, why: str) -> ValueError:
     """A refusal naming the setting as typed: `study.steps=abc: ...`."""
-    if isinstance(value, DictConfig | ListConfig):
-        value = OmegaConf.to_container(value)
     if isinstance(value, list | tuple):
         value = "[" + ",".join(map(str, value)) + "]"
     return ValueError(f"{key}={value}: {why}")
@@ -67,10 +64,10 @@ class Sweep:
 
 @dataclasses.dataclass
 class Plan:
-    """Everything a study runs, checked (dflash2/studies/commands.py makes it)."""
+    """Everything a study runs, checked (dflash2/commands/study_plan.py makes it)."""
 
     work: Path
-    study: DictConfig  # the study's settings, study.rehearsal's applied
+    study: dict[str, Any]  # the study's settings, study.rehearsal's applied
     until: str | None
     rehearse: bool
     model_args: list[str]  # the target, for every command
@@ -102,7 +99,7 @@ def strings(value: Any, key: str) -> list[str]:
     """A list of overrides (null: none), refused naming `key` otherwise."""
     if value is None:
         return []
-    if not isinstance(value, ListConfig | list) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise bad(key, value, "give a list of overrides, e.g. '[\"objective.position_weights=decay\"]'")
     return list(value)
 
@@ -121,70 +118,88 @@ def set_in(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
 
 
-def settings_of(cfg: DictConfig) -> DictConfig:
-    """The study's settings, with study.rehearsal's on top under rehearse=true."""
-    study = OmegaConf.masked_copy(cfg, ["study"]).study
-    if cfg.get("rehearse"):
-        study = OmegaConf.merge(study, study.get("rehearsal") or {})  # a list given there replaces the study's
-    return study
-
-
-def check_simple(cfg: DictConfig, study: DictConfig) -> None:
-    """The settings that need nothing loaded."""
-    if OmegaConf.is_missing(cfg, "dir") or not str(cfg.dir).strip():
+def check_simple(study: dict[str, Any], work_dir: str | None, until: str | None) -> None:
+    """The settings that need nothing loaded: the study's (`study`, study.rehearsal's applied), its work folder
+    (`dir`, None when unset) and `until`."""
+    if work_dir is None or not str(work_dir).strip():
         raise ValueError("set dir=WORK_DIR: the study's work folder (rerun the same command there to resume)")
-    if cfg.get("until") is not None and cfg.until not in STAGES:
-        raise bad("until", cfg.until, f"choose a stage: {', '.join(STAGES)}")
-    if study.collect not in COLLECTS:
-        raise bad("study.collect", study.collect, f"choose one of {', '.join(COLLECTS)}")
-    _positive(study.minutes, "study.minutes", real=True)
-    if study.steps not in (None, "auto"):
-        _positive(study.steps, "study.steps")
-    if study.steps == "auto" and study.minutes is None:
+    if until is not None and until not in STAGES:
+        raise bad("until", until, f"choose a stage: {', '.join(STAGES)}")
+    if study["collect"] not in COLLECTS:
+        raise bad("study.collect", study["collect"], f"choose one of {', '.join(COLLECTS)}")
+    check_schedule(study)
+    check_resources(study)
+    check_drafters(study)
+    check_grid(study)
+
+
+def check_schedule(study: dict[str, Any]) -> None:
+    """study.minutes, study.steps, study.val and the probe that sizes steps=auto."""
+    _positive(study["minutes"], "study.minutes", real=True)
+    if study["steps"] not in (None, "auto"):
+        _positive(study["steps"], "study.steps")
+    if study["steps"] == "auto" and study["minutes"] is None:
         raise bad("study.steps", "auto", "sizes the cosine to a budget: set study.minutes too")
-    _positive(study.val, "study.val")
+    _positive(study["val"], "study.val")
+    probe = study["probe"]
     for key in ("skip", "steps"):
-        _positive(study.probe[key], f"study.probe.{key}", allow_none=False)
-    margin = study.probe.margin
-    if not (isinstance(margin, int | float) and 0 < margin <= 1):
-        raise bad("study.probe.margin", margin, "the share of the budget the schedule fills, in (0, 1]")
+        _positive(probe[key], f"study.probe.{key}", allow_none=False)
+    if not (isinstance(probe["margin"], int | float) and 0 < probe["margin"] <= 1):
+        raise bad("study.probe.margin", probe["margin"], "the share of the budget the schedule fills, in (0, 1]")
+
+
+def check_resources(study: dict[str, Any]) -> None:
+    """The jobs and GPUs, the feature cache, the data source and the earlier folders (study.from)."""
     for key in ("jobs", "train_jobs"):
         _positive(study[key], f"study.{key}", allow_none=False)
-    if study.gpus is not None and (isinstance(study.gpus, bool) or not isinstance(study.gpus, int) or study.gpus < 0):
-        raise bad("study.gpus", study.gpus, "a number of GPUs (0: the CPU), or null for every visible one")
-    if study.features not in (None, *FEATURE_DTYPES):
-        raise bad("study.features", study.features, f"choose {' or '.join(FEATURE_DTYPES)}, or null for none")
-    source = study.data.source
+    gpus = study["gpus"]
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0):
+        raise bad("study.gpus", gpus, "a number of GPUs (0: the CPU), or null for every visible one")
+    if study["features"] not in (None, *FEATURE_DTYPES):
+        raise bad("study.features", study["features"], f"choose {' or '.join(FEATURE_DTYPES)}, or null for none")
+    source = study["data"]["source"]
     if source not in ("artifacts", "regenerate") and not Path(str(source)).expanduser().is_file():
         raise bad("study.data.source", source, "choose artifacts, regenerate or an existing chat file")
-    _positive(study.data.limit, "study.data.limit")
+    _positive(study["data"]["limit"], "study.data.limit")
     for path in study.get("from") or []:
         if not Path(path).expanduser().exists():
             raise bad("study.from", list(study["from"]), f"{path} does not exist")
-    if not isinstance(study.variants, DictConfig):
-        raise bad("study.variants", study.variants, "map each name to its train.py overrides")
-    for name, overrides in study.variants.items():
+
+
+def check_drafters(study: dict[str, Any]) -> None:
+    """study.variants (each a list of train.py overrides) and study.exports (export folders)."""
+    if not isinstance(study["variants"], Mapping):
+        raise bad("study.variants", study["variants"], "map each name to its train.py overrides")
+    for name, overrides in study["variants"].items():
         strings(overrides, f"study.variants.{name}")
-    for name, path in (study.exports or {}).items():
+    for name, path in (study["exports"] or {}).items():
         if path is not None and not Path(path).expanduser().is_dir():
             raise bad(f"study.exports.{name}", path, "is not a folder: give an export (config.json + weights)")
-    benches = study.benches
-    if not (isinstance(benches, ListConfig) and benches and all(isinstance(g, ListConfig) and g for g in benches)):
+
+
+def check_grid(study: dict[str, Any]) -> None:
+    """study.benches (groups of benches), study.settings (evaluate.py settings) and study.speed."""
+    benches = study["benches"]
+    if not (isinstance(benches, list) and benches and all(isinstance(g, list) and g for g in benches)):
         raise bad("study.benches", benches, "give groups of benches, one sweep each, e.g. [[gsm8k,humaneval],[mbpp]]")
-    if not (isinstance(study.settings, ListConfig) and study.settings):
-        raise bad("study.settings", study.settings, 'give evaluate.py settings, e.g. ["temperature=0,1 block_size=16"]')
-    if study.speed is not None:
-        missing = {"bench", "setting", "repeats"} - set(study.speed)
+    if not (isinstance(study["settings"], list) and study["settings"]):
+        raise bad(
+            "study.settings", study["settings"], 'give evaluate.py settings, e.g. ["temperature=0,1 block_size=16"]'
+        )
+    speed = study["speed"]
+    if speed is not None:
+        missing = {"bench", "setting", "repeats"} - set(speed)
         if missing:
-            raise bad("study.speed", study.speed, f"set {', '.join(sorted(missing))} too, or null for no speed stage")
-        _positive(study.speed.repeats, "study.speed.repeats", allow_none=False)
+            raise bad("study.speed", speed, f"set {', '.join(sorted(missing))} too, or null for no speed stage")
+        _positive(speed["repeats"], "study.speed.repeats", allow_none=False)
 
 
-def chosen(study: DictConfig) -> tuple[list[str], list[str]]:
+def chosen(study: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(the drafters evaluated, every drafter needed with its dependencies first)."""
-    given = {n for n, p in (study.exports or {}).items() if p is not None}
-    known = [*study.variants, *(n for n in given if n not in study.variants)]
-    names = list(study.drafters) if study.drafters is not None else [n for n in study.variants if n not in given]
+    variants = study["variants"]
+    given = {n for n, p in (study["exports"] or {}).items() if p is not None}
+    known = [*variants, *(n for n in given if n not in variants)]
+    names = list(study["drafters"]) if study["drafters"] is not None else [n for n in variants if n not in given]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise bad(
@@ -197,14 +212,14 @@ def chosen(study: DictConfig) -> tuple[list[str], list[str]]:
         if name in order:
             return
         if name in path:
-            raise bad(f"study.variants.{name}", study.variants[name], f"starts from itself: {' -> '.join(path)}")
+            raise bad(f"study.variants.{name}", variants[name], f"starts from itself: {' -> '.join(path)}")
         if name not in given:
-            for o in study.variants[name]:
+            for o in variants[name]:
                 match = DEPENDENCY.fullmatch(o)
                 if match:
                     if match[1] not in known:
                         raise bad(
-                            f"study.variants.{name}", study.variants[name],
+                            f"study.variants.{name}", variants[name],
                             f"@{match[1]} names no drafter: add it to study.variants or set "
                             f"study.exports.{match[1]}=<an export folder>",
                         )  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from omegaconf import OmegaConf
+import yaml
 
 from dflash2.studies.plan import ROOT
 
@@ -69,13 +69,15 @@ def merged(summary: pd.DataFrame, earlier: list[Path]) -> pd.DataFrame:
 
 def training(log: Path, batch_size: int | None) -> dict[str, Any]:
     """Steps, minutes, conversations seen and epochs from a train.py log (its summary and its data lines); neither of
-    the last two without the run's batch size. A resumed run's minutes are those of its last part."""
+    the last two without the run's batch size. A resumed run's steps are the run's in all (its summary's `N in all`),
+    its minutes those of its last part."""
     text = log.read_text()
-    steps = re.findall(r"steps\s+(\d+) in ([0-9.]+) min", text)
+    steps = re.findall(r"steps\s+(\d+) in ([0-9.]+) min(?: \(resumed at step \d+: (\d+) in all\))?", text)
     chats = re.findall(r"(\d+) training and \d+ validation chats", text)
     out: dict[str, Any] = {"log": str(log)}
     if steps:
-        out["steps"], out["minutes"] = int(steps[-1][0]), float(steps[-1][1])
+        trained, minutes, in_all = steps[-1]
+        out["steps"], out["minutes"] = int(in_all or trained), float(minutes)
         if batch_size:
             out["conversations"] = out["steps"] * batch_size
             if chats:
@@ -93,10 +95,10 @@ def record(work: Path, name: str, commands: dict[str, str] | None = None) -> dic
     study ran it, else from the run's Hydra record)."""
     log, hydra = train_log(work, name), work / "runs" / name / ".hydra"
     config = hydra / "config.yaml"
-    data = OmegaConf.load(config).data if config.is_file() else None
-    out = training(log, int(data.batch_size) if data else None) if log.is_file() else {}
+    data = (yaml.safe_load(config.read_text()) or {}).get("data") if config.is_file() else None
+    out = training(log, int(data["batch_size"]) if data else None) if log.is_file() else {}
     if data and "path" in data:  # the file validated on, then the training-only ones
-        out["data"] = ", ".join([str(data.path), *map(str, data.get("extra_paths") or [])])
+        out["data"] = ", ".join([str(data["path"]), *map(str, data.get("extra_paths") or [])])
     overrides = hydra / "overrides.yaml"
     if commands and f"train.{name}" in commands:
         out["command"] = commands[f"train.{name}"]

@@ -1,8 +1,9 @@
 """The stages of a study, in order (dflash2/studies/plan.py STAGES); each skips what WORK_DIR/done/ marks finished.
 
 data      the chats the drafters train on: the regenerated ShareGPT set of artifacts/data made one file, or ShareGPT
-          answered anew by the target (one `python -m dflash2.data.regenerate` shard per GPU), or a file given
-features  the target's features of those chats, once for every drafter (`python -m dflash2.data.features`; optional)
+          answered anew by the target (one `python -m dflash2.commands.regenerate` shard per GPU), or a file given
+features  the target's features of those chats, once for every drafter (`python -m dflash2.commands.features`;
+          optional)
 train     each drafter (`python train.py`), after a probe of its own configuration where steps=auto; a warm start
           after the export of the drafter it starts from
 export    each trained drafter exported (`python export.py ckpt_path=...`) and checked (`python export.py check=...`)
@@ -78,14 +79,14 @@ def data(plan: Plan, work: Work) -> None:
     if work.done("data"):
         log.info("data: done before (%s)", plan.data)
         return
-    source, limit = str(plan.study.data.source), plan.conversations
+    source, limit = str(plan.study["data"]["source"]), plan.conversations
     if source == "regenerate":
         shards = max(1, plan.gpus)
         regen = plan.work / "data" / "regenerate"
         tasks = []
         for i in range(shards):
-            command = ["python", "-m", "dflash2.data.regenerate", *plan.model_args, *plan.regenerate_args]
-            command += [f"limit={limit or plan.study.data.limit}", f"num_shards={shards}", f"shard_index={i}"]
+            command = ["python", "-m", "dflash2.commands.regenerate", *plan.model_args, *plan.regenerate_args]
+            command += [f"limit={limit or plan.study['data']['limit']}", f"num_shards={shards}", f"shard_index={i}"]
             command.append(f"output={regen / f'train.{i}.jsonl'}")
             tasks.append(
                 Task(f"data.regenerate.{i}", partial(work.run, f"data.regenerate.{i}", command, gpus=plan.gpus))
@@ -106,9 +107,9 @@ def data(plan: Plan, work: Work) -> None:
         for source_file, out in zip(plan.sources, plan.extra or [], strict=True):
             copy_chats([Path(source_file)], Path(out), limit)
     log.info("data: %d conversations in %s", count, plan.data)
-    if plan.study.train_jobs > 1 and plan.trained:  # the trainings started together then only read the cache
+    if plan.study["train_jobs"] > 1 and plan.trained:  # the trainings started together then only read the cache
         overrides = [o for o in plan.trained[0].overrides if not o.startswith("data.features=")]
-        work.run("data.tokenize", ["python", "-m", "dflash2.studies.tokenize", *overrides, "run_dir=unused"])
+        work.run("data.tokenize", ["python", "-m", "dflash2.commands.tokenize", *overrides, "run_dir=unused"])
     work.mark("data")
 
 
@@ -127,7 +128,7 @@ def train(plan: Plan, work: Work) -> None:
     for d in plan.trained:
         needs = frozenset({f"train.{d.needs}"}) if d.needs and plan.drafters[d.needs].given is None else frozenset()
         tasks.append(Task(f"train.{d.name}", partial(train_one, plan, work, d), needs))
-    run_tasks(work, tasks, plan.study.train_jobs, plan.gpus)
+    run_tasks(work, tasks, plan.study["train_jobs"], plan.gpus)
 
 
 def train_one(plan: Plan, work: Work, d: Drafter, slot: int) -> None:
@@ -141,7 +142,7 @@ def train_one(plan: Plan, work: Work, d: Drafter, slot: int) -> None:
         return
     run_dir = plan.work / "runs" / d.name
     extra = [f"trainer.max_steps={probe(plan, work, d, slot)}"] if d.steps == "auto" else []
-    command = d.command(*extra, f"run_dir={run_dir}", f"task_name={plan.study.collect}_{d.name}")
+    command = d.command(*extra, f"run_dir={run_dir}", f"task_name={plan.study['collect']}_{d.name}")
     last = run_dir / "checkpoints" / "last.ckpt"
     if last.is_file():
         work.run(key, [*command, f"ckpt_path={last}"], slot, plan.gpus, record=f"{key}.resume")
@@ -158,23 +159,24 @@ def probe(plan: Plan, work: Work, d: Drafter, slot: int) -> int:
     budgets = read_json(plan.work / "budgets.json", {})
     if work.done(key) and d.name in budgets:
         return int(budgets[d.name]["max_steps"])
-    folder, p = plan.work / "probes" / d.name, plan.study.probe
+    folder, p = plan.work / "probes" / d.name, plan.study["probe"]
     shutil.rmtree(folder, ignore_errors=True)
-    command = d.command(f"trainer.max_steps={p.skip + p.steps}", "trainer.max_time=null")
-    command += [f"callbacks.step_rate.skip={p.skip}", f"callbacks.step_rate.steps={p.steps}"]
-    command += [f"run_dir={folder}", f"task_name={plan.study.collect}_{d.name}_probe"]
+    command = d.command(f"trainer.max_steps={p['skip'] + p['steps']}", "trainer.max_time=null")
+    command += [f"callbacks.step_rate.skip={p['skip']}", f"callbacks.step_rate.steps={p['steps']}"]
+    command += [f"run_dir={folder}", f"task_name={plan.study['collect']}_{d.name}_probe"]
     work.run(key, command, slot, plan.gpus)
     measured = read_json(folder / "step_rate.json", {})
     if not measured.get("steps_per_s"):
         raise StudyFailed(f"{key} measured no step rate ({folder / 'step_rate.json'}): see {work.logfile(key)}")
-    steps = budget_steps(measured, float(plan.study.minutes), float(p.margin))
-    budget = {"minutes": plan.study.minutes, "margin": p.margin, "max_steps": steps, "probe_command": show(command)}
+    minutes = plan.study["minutes"]
+    steps = budget_steps(measured, float(minutes), float(p["margin"]))
+    budget = {"minutes": minutes, "margin": p["margin"], "max_steps": steps, "probe_command": show(command)}
     work.update("budgets", d.name, measured | budget)
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # the probe's weights are of no use
     log.info(
         "%s: %.3f steps/s after %.1f s of warm-up, validations of %.1f s every %s steps: trainer.max_steps=%d in %s "
         "min", key, measured["steps_per_s"], measured["warmup_s"] or 0, measured.get("validation_s") or 0,
-        measured.get("val_every") or "(the last step only)", steps, plan.study.minutes,
+        measured.get("val_every") or "(the last step only)", steps, plan.study["minutes"],
     )  # fmt: skip
     work.mark(key)
     return steps
@@ -199,7 +201,7 @@ def export(plan: Plan, work: Work) -> None:
     if done:
         log.info("export: %s done before", ", ".join(done))
     tasks = [Task(f"export.{d.name}", partial(export_one, plan, work, d.name)) for d in plan.trained]
-    run_tasks(work, tasks, plan.study.jobs, 0)
+    run_tasks(work, tasks, plan.study["jobs"], 0)
 
 
 def evaluate(plan: Plan, work: Work) -> None:
@@ -209,7 +211,7 @@ def evaluate(plan: Plan, work: Work) -> None:
     left = [s for s in plan.sweeps if not work.done(s.key)]
     if len(left) < len(plan.sweeps):
         log.info("evaluate: %d of %d sweeps done before", len(plan.sweeps) - len(left), len(plan.sweeps))
-    run_tasks(work, [Task(s.key, partial(sweep_one, plan, work, s)) for s in left], plan.study.jobs, plan.gpus)
+    run_tasks(work, [Task(s.key, partial(sweep_one, plan, work, s)) for s in left], plan.study["jobs"], plan.gpus)
 
 
 def sweep_one(plan: Plan, work: Work, sweep: Sweep, slot: int) -> None:

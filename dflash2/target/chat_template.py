@@ -11,10 +11,8 @@ record the ones training rendered with, and evaluation renders with the drafter'
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-from omegaconf import Container, OmegaConf
 
 KWARGS_KEY = "chat_template_kwargs"  # in a regenerated record, in a drafter's manifest, in the configs
 # Arguments of `apply_chat_template` itself: as template variables they would change what it does instead.
@@ -33,8 +31,6 @@ def check_chat_template_kwargs(value: Any, setting: str) -> dict[str, Any] | Non
     `apply_chat_template`'s own arguments."""
     if value is None:
         return None
-    if isinstance(value, Container):  # a Hydra node
-        value = OmegaConf.to_container(value, resolve=True)
     example = "e.g. {enable_thinking: false} for Qwen3, {} for none"
     if not isinstance(value, Mapping):
         raise ValueError(f"{setting}={value!r}: the chat template's extra arguments are a mapping ({example})")
@@ -48,11 +44,20 @@ def check_chat_template_kwargs(value: Any, setting: str) -> dict[str, Any] | Non
             "drop them"
         )
     try:
-        plain = json.loads(json.dumps(dict(value)))
+        plain = json.loads(json.dumps(dict(value), default=_container))
     except (TypeError, ValueError):
         raise ValueError(f"{setting}={dict(value)!r}: the values must be plain data (strings, numbers, booleans, "
                          "lists, mappings)") from None  # fmt: skip
     return plain
+
+
+def _container(value: Any) -> Any:
+    """A mapping or a list of any kind (a config node's too) as JSON writes it; anything else is not plain data."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not plain data")
 
 
 def format_kwargs(kwargs: Mapping[str, Any] | None) -> str:

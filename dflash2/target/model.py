@@ -73,6 +73,24 @@ class _StopForward(Exception):
     """Raised by the deepest hook when nothing after it is needed (no logits, no cache)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TargetSettings:
+    """The `model` group's settings of a target (configs/model/*.yaml). `attn_implementation`: None = transformers'
+    SDPA with the query heads of each key/value head folded together (`grouped_sdpa`, dflash2/target/attention.py);
+    any name transformers knows (sdpa, eager, flash_attention_2...). `compile`: torch.compile the layers for the
+    training features (`compile_mode`). `chat_template_kwargs`: the chat template's extra arguments the target is
+    chatted with (`dflash2.target.chat_template`)."""
+
+    name: str | None = None
+    gguf_file: str | None = None
+    target_layer_ids: list[int] | None = None
+    dtype: str | torch.dtype | None = "auto"
+    attn_implementation: str | None = None
+    compile: bool | str | None = False
+    mask_token_id: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class TargetModel(nn.Module):
     def __init__(
         self,
@@ -152,45 +170,30 @@ class TargetModel(nn.Module):
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(
-        cls,
-        path: str | None = None,
-        *,
-        name: str | None = None,
-        gguf_file: str | None = None,
-        target_layer_ids: list[int] | None = None,
-        dtype: str | torch.dtype | None = "auto",
-        device: str | torch.device = "cpu",
-        attn_implementation: str | None = None,
-        compile: bool | str | None = False,
-        mask_token_id: int | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        layers: bool = True,
+        cls, path: str | None = None, *, device: str | torch.device = "cpu", layers: bool = True, **settings: Any
     ) -> TargetModel:
-        """Load by hub id, local folder, GGUF file or None (the embedded SmolLM2); what the `model` group builds
-        (configs/model/*.yaml, `dflash2.groups.build(cfg.model, target_layer_ids=..., device=...)`).
-
-        `attn_implementation`: None = transformers' SDPA with the query heads of each key/value head folded together
-        (`grouped_sdpa`, dflash2/target/attention.py); any name transformers knows (sdpa, eager, flash_attention_2...).
-        `compile`: torch.compile the layers for the training features (`compile_mode`). `chat_template_kwargs`: the
-        chat template's extra arguments the target is chatted with (`dflash2.target.chat_template`). `layers=False`:
-        only the embedding, final norm and head are read from the weights, no decoder layer (training from a feature
-        cache, data.features); the forward then refuses to run."""
+        """Load by hub id, local folder, GGUF file or None (the embedded SmolLM2) with the `model` group's settings
+        (`TargetSettings`); what the group builds (configs/model/*.yaml, `dflash2.commands.build(cfg.model,
+        target_layer_ids=..., device=...)`). `layers=False`: only the embedding, final norm and head are read from the
+        weights, no decoder layer (training from a feature cache, data.features); the forward then refuses to run."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, f"model.{KWARGS_KEY}")  # before loading
-        path, kwargs = target_source(path, gguf_file)
+        s = TargetSettings(**settings)
+        chat_template_kwargs = check_chat_template_kwargs(s.chat_template_kwargs, f"model.{KWARGS_KEY}")  # first
+        path, kwargs = target_source(path, s.gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         if layers:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, "auto"), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(s.dtype, "auto"), **kwargs)
         else:
-            model = _without_layers(path, _dtype(dtype, "auto"), kwargs)
-        if attn_implementation in (None, GROUPED_SDPA):
+            model = _without_layers(path, _dtype(s.dtype, "auto"), kwargs)
+        if s.attn_implementation in (None, GROUPED_SDPA):
             use_grouped_sdpa(model)
-        elif attn_implementation != model.config._attn_implementation:
-            model.set_attn_implementation(attn_implementation)
+        elif s.attn_implementation != model.config._attn_implementation:
+            model.set_attn_implementation(s.attn_implementation)
         return cls(
-            model.to(device), tokenizer, target_layer_ids, compile or False, name, mask_token_id, chat_template_kwargs
-        )
+            model.to(device), tokenizer, s.target_layer_ids, s.compile or False, s.name, s.mask_token_id,
+            chat_template_kwargs,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ forward
     def _make_hook(self, layer_id: int):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dflash2.model.config import DFlash2Config, tensor_shapes
 from dflash2.model.drafter import DFlash2DraftModel, check_tensors
@@ -40,7 +40,7 @@ def write_info(checkpoint: dict[str, Any], manifest: dict[str, Any], metrics: di
 
 
 def read_info(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The `dflash2` entry ({} for a checkpoint written before it existed)."""
+    """The `dflash2` entry ({} for a checkpoint without one: not written by dflash2's training)."""
     return checkpoint.get(INFO_KEY) or {}
 
 
@@ -137,8 +137,15 @@ def _unreadable(path: Path, e: Exception) -> ValueError:
 
 
 def plain(obj: Any) -> Any:
-    """OmegaConf containers -> dicts/lists, so the config serialises as plain JSON."""
-    return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, DictConfig | ListConfig) else obj
+    """Mappings and lists of any kind (the config nodes a fully unpickled checkpoint may hold) as dicts and lists, so
+    that the config serialises as plain JSON."""
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(plain(v) for v in obj)
+    if isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
+        return [plain(v) for v in obj]
+    return obj
 
 
 def draft_from_checkpoint(ckpt: dict[str, Any], where: Any = "checkpoint") -> DFlash2DraftModel:

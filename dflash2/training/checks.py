@@ -1,9 +1,9 @@
-"""What `python train.py` checks before anything loads: a setting left unset, the target, the data files, the
-drafter's fields (resolved as training uses them, dflash2.training.drafter), the objective and optimizer settings,
-and for a resume its checkpoint.
-
-`PrepareRun` runs the checks before Hydra makes the run folder, so a bad setting costs a second and leaves nothing
-behind. Every message names the setting as it is typed on the command line (`draft.conv_group_size`).
+"""What `python train.py` checks before anything loads, on the run's settings as plain values: the data files, the
+module knobs, the device a strategy needs, the objective's and the data's settings against the drafter's block, a
+feature cache against the run, and for a resume its checkpoint. The command's check step
+(dflash2.commands.train_checks) runs them once, before Hydra makes the run folder, so a bad setting costs a second
+and leaves nothing behind. Every message names the setting as it is typed on the command line
+(`data.copy_anchor_min_match`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
-
-from dflash2.groups import BAD_INPUT, build
 from dflash2.model.config import DFlash2Config
-from dflash2.progress import quiet_libraries
-from dflash2.training.drafter import resolve_drafter
-from dflash2.training.resume import restore_run_config
 
 log = logging.getLogger(__name__)
 
@@ -67,64 +58,57 @@ def check_fsdp_device(trainer: Mapping[str, Any]) -> None:
         )
 
 
-def check_config(cfg: DictConfig) -> DFlash2Config:
-    """Fail in one sentence on a setting left unset, a target or data file that is not there or a drafter field that
-    does not fit the target, reading only the target's config.json: seconds before its weights would have loaded.
-    Returns the drafter's DFlash2Config, resolved once (dflash2.training.drafter.resolve_drafter)."""
-    # The target's and the data's modules import transformers and datasets (seconds): here, not when Hydra loads the
-    # PrepareRun callback of this module.
-    from dflash2.target.model import compile_mode
-
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ValueError("set " + ", ".join(f"{key}=..." for key in missing) + ": it has no default")
-    if cfg.get("ckpt_path"):
-        check_resume(cfg.ckpt_path)
-    # The target first: its data is made by the target (the recipe command a missing file's message names).
-    draft = resolve_drafter(cfg)
-    path = cfg.data.get("path")
+def check_data_files(config: Mapping[str, Any]) -> None:
+    """`data.path` and `data.extra_paths` exist; a missing one is named with the command that makes it."""
+    data = config["data"]
+    path = data.get("path")
     if path and not Path(path).expanduser().is_file():
         raise FileNotFoundError(
-            f"data.path={path!r} does not exist: `{recipe_command(cfg)}` makes it (the target's replies to ShareGPT "
+            f"data.path={path!r} does not exist: `{recipe_command(config)}` makes it (the target's replies to ShareGPT "
             "and to the recipe's prompts), or pass data.path=FILE, a JSON/JSONL file of chats"
         )
-    for extra in cfg.data.get("extra_paths") or ():
+    for extra in data.get("extra_paths") or ():
         if not Path(extra).expanduser().is_file():
             raise FileNotFoundError(
-                f"data.extra_paths: {extra!r} does not exist: `{recipe_command(cfg, extra)}` makes it (the target's "
-                "replies to the recipe's prompts), or list other JSON/JSONL files of chats, or data.extra_paths=[] "
-                "for data.path alone"
+                f"data.extra_paths: {extra!r} does not exist: `{recipe_command(config, extra)}` makes it (the "
+                "target's replies to the recipe's prompts), or list other JSON/JSONL files of chats, or "
+                "data.extra_paths=[] for data.path alone"
             )
-    check_module_knobs(cfg.module, cfg.trainer.get("strategy"))
-    check_fsdp_device(cfg.trainer)
-    objective = build(cfg.objective)
-    build(cfg.optim)
-    compile_mode(cfg.model.get("compile"))
-    from dflash2.data.anchors import check_copy_anchors
-    from dflash2.data.datamodule import check_drop_last, check_pad_to_multiple_of
 
-    check_pad_to_multiple_of(cfg.data.get("pad_to_multiple_of", 1))
-    check_drop_last(cfg.data.get("drop_last", False))
+
+def check_training(config: Mapping[str, Any], draft: DFlash2Config, objective: Any) -> None:
+    """The settings read against the drafter's block and the target (`objective`: the objective group's Objective):
+    the target's compile mode, the batches' padding and last batch, the late slots, the copy anchors, and a feature
+    cache, whose manifest must be of this run's target, layers, template and data."""
+    # The target's and the data's modules import transformers and datasets (seconds): here, when the checks run.
+    from dflash2.data.anchors import check_copy_anchors
+    from dflash2.data.collate import check_pad_to_multiple_of
+    from dflash2.data.datamodule import check_drop_last
+    from dflash2.target.model import compile_mode
+
+    data = config["data"]
+    compile_mode(config["model"].get("compile"))
+    check_pad_to_multiple_of(data.get("pad_to_multiple_of", 1))
+    check_drop_last(data.get("drop_last", False))
     objective.slot_scale(draft.block_size)  # the late slots' start must fit the block
-    copy = cfg.data.get("copy_anchor_weight", 1.0), cfg.data.get("copy_anchor_min_match", 1)
-    check_copy_anchors(*copy, draft.block_size)
-    if cfg.data.get("features"):  # a cache of another target, layers, template or data is refused before it loads
+    check_copy_anchors(data.get("copy_anchor_weight", 1.0), data.get("copy_anchor_min_match", 1), draft.block_size)
+    if data.get("features"):  # a cache of another target, layers, template or data is refused before it loads
         from dflash2.data.feature_store import check_cache
 
-        check_cache(cfg, list(draft.target_layer_ids))
-    return draft
+        check_cache(config, list(draft.target_layer_ids))
 
 
-def recipe_command(cfg: DictConfig, extra: str | None = None) -> str:
-    """The command that writes a run's training data (dflash2/data/recipe.py): this target's replies to ShareGPT into
-    data.path and its replies to the recipe's prompts into data.extra_paths' file; given `extra`, the command for that
-    file, which leaves data.path (an existing file) alone."""
-    extras = list(cfg.data.get("extra_paths") or ())
-    command = f"python -m dflash2.data.recipe model={cfg.model.name}"
-    if cfg.model.get("path"):
-        command += f" model.path={cfg.model.path}"
+def recipe_command(config: Mapping[str, Any], extra: str | None = None) -> str:
+    """The command that writes a run's training data (dflash2/commands/recipe.py): this target's replies to ShareGPT
+    into data.path and its replies to the recipe's prompts into data.extra_paths' file; given `extra`, the command for
+    that file, which leaves data.path (an existing file) alone."""
+    model, data = config["model"], config["data"]
+    extras = list(data.get("extra_paths") or ())
+    command = f"python -m dflash2.commands.recipe model={model['name']}"
+    if model.get("path"):
+        command += f" model.path={model['path']}"
     if extra is None:
-        command += f" output={cfg.data.path}"
+        command += f" output={data['path']}"
         extra = extras[0] if len(extras) == 1 else None
     return command + (f" extra_output={extra}" if extra else "")
 
@@ -151,57 +135,25 @@ def check_resume(ckpt_path: str) -> None:
         )
 
 
-def check_data(cfg: DictConfig) -> None:
+def check_data(config: Mapping[str, Any]) -> None:
     """Read the data files (`data.path`, `data.extra_paths`) through, so that a malformed record fails before the run
     has a folder. The packaged ShareGPT is not re-read: it is the package's, and the run reads it right after."""
     from dflash2.data.chat import load_conversations
     from dflash2.data.datamodule import resolve_chat_template_kwargs
     from dflash2.target.chat_template import KWARGS_KEY, check_chat_template_kwargs
 
+    data = config["data"]
     quiet = logging.root.manager.disable
     logging.disable(logging.INFO)  # the run reads the files again and logs their counts, into train.log this time
     try:
         files = {}
-        if cfg.data.get("path"):
-            files[cfg.data.path] = load_conversations(cfg.data.path, cfg.data.get("limit"))
-        for extra in cfg.data.get("extra_paths") or ():
+        if data.get("path"):
+            files[data["path"]] = load_conversations(data["path"], data.get("limit"))
+        for extra in data.get("extra_paths") or ():
             files[extra] = load_conversations(extra)
         # A file regenerated under other chat template arguments than training renders with is refused here, before
         # the target loads, not after.
-        requested = check_chat_template_kwargs(cfg.data.get(KWARGS_KEY), f"data.{KWARGS_KEY}")
+        requested = check_chat_template_kwargs(data.get(KWARGS_KEY), f"data.{KWARGS_KEY}")
         resolve_chat_template_kwargs(requested, files)
     finally:
         logging.disable(quiet)
-
-
-def check_experiment(choices: Mapping[str, Any], typed: list[str], model: str) -> None:
-    """An experiment is sized for its target, whose config it includes (configs/experiment/): refuse a `model=` typed
-    beside an experiment of another target, whose layers and sizes would silently apply to it. `choices`: Hydra's
-    group choices; `typed`: the command line's overrides; `model`: the composed model.name."""
-    experiment, chosen = choices.get("experiment"), choices.get("model")
-    groups = {o.key_or_group for o in OverridesParser.create().parse_overrides(typed)}
-    if experiment and "model" in groups and chosen != model:
-        raise ValueError(
-            f"model={chosen} is typed beside experiment={experiment}, which trains model={model}: drop "
-            f"experiment={experiment} (model={chosen} picks its own experiment; ~experiment trains with the groups' "
-            f"defaults) or drop model={chosen}"
-        )
-
-
-class PrepareRun(Callback):
-    """Hydra callback (configs/train.yaml), before Hydra makes the run folder, its record and train.log: a resume takes
-    the run's own settings, then the inputs are checked."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        quiet_libraries()  # first: the checks below may dequantize a GGUF target, with the libraries' bars
-        try:
-            if config.get("ckpt_path"):
-                check_resume(config.ckpt_path)  # before the run's record is read or a line is logged
-                restore_run_config(config)  # the run's own groups, checked when it started
-            else:
-                check_experiment(config.hydra.runtime.choices, list(config.hydra.overrides.task), config.model.name)
-            task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
-            check_config(task)
-            check_data(task)
-        except (*BAD_INPUT, HydraException) as e:
-            raise SystemExit(str(e)) from None

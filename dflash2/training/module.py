@@ -6,6 +6,7 @@ optimised; only `self.draft` (contract tensor names under `draft.`) is in the ch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -26,13 +27,14 @@ from dflash2.model.drafter import DecoderLayer, DFlash2DraftModel
 from dflash2.target.manifest import MANIFEST_KEY, build_manifest
 from dflash2.training.checkpoint import CONFIG_KEY, drafter_state, read_info, write_info
 from dflash2.training.checks import check_module_knobs
+from dflash2.training.head import head_loss
 from dflash2.training.losses import (
+    DraftLosses,
+    DraftSlots,
+    RankMean,
     block_targets,
-    draft_losses,
-    head_loss,
+    metric_floats,
     metric_tensors,
-    slot_weights,
-    summarise,
     total_loss,
     trained_slots,
 )
@@ -48,7 +50,7 @@ WARM_START_FIELDS = tuple(f for f in DFLASH_FIELDS if f != "target_layer_ids")
 
 
 class DraftMetrics(Metric):
-    """Sums of the counts of `draft_losses` over an epoch (and over ranks): accuracies are sum(correct)/sum(n)."""
+    """Sums of the counts of `SlotLoss` over an epoch (and over ranks): accuracies are sum(correct)/sum(n)."""
 
     full_state_update = False
 
@@ -69,13 +71,25 @@ class DraftMetrics(Metric):
             setattr(self, name, getattr(self, name) + counts[name].detach().double())
 
     def compute(self) -> dict[str, float]:
-        return summarise({name: getattr(self, name) for name in [*self.per_slot, *self.names]})
+        return metric_floats({name: getattr(self, name) for name in [*self.per_slot, *self.names]})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSettings:
+    """configs/module's own keys (module.init_from=...), which shape training only, never the export."""
+
+    init_from: str | None = None  # a DFlash or DFlash2 export folder to warm-start from
+    train_backbone: bool = True  # false: train only the conv and the selector
+    compile: bool = False  # torch.compile the drafter and the head's chunks (CUDA only)
+    init_std: float | None = None  # N(0, init_std) for the backbone's Linear weights of a drafter built from scratch
+    feature_scaling: bool = False  # at a fresh run's first step, scale fc's block of each target layer by 1/RMS
 
 
 class DFlash2Module(L.LightningModule):
     """configs/module: the drafter of `draft_config` (or warm-started from `init_from`) trained against `target` by
-    `objective` and `optim`. `init_std`, `feature_scaling` and `train_backbone` shape training only, never the
-    export; `compile` runs the drafter and the head's chunks under torch.compile (CUDA only)."""
+    `objective` and `optim`. `settings` are the module group's keys (`ModuleSettings`): `init_std`,
+    `feature_scaling` and `train_backbone` shape training only, never the export; `compile` runs the drafter and the
+    head's chunks under torch.compile (CUDA only)."""
 
     def __init__(
         self,
@@ -83,46 +97,30 @@ class DFlash2Module(L.LightningModule):
         draft_config: DFlash2Config,
         objective: Objective | None = None,
         optim: Optim | None = None,
-        init_from: str | None = None,
-        train_backbone: bool = True,
-        compile: bool = False,
-        init_std: float | None = None,
-        feature_scaling: bool = False,
         manifest: dict[str, Any] | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["target", "draft_config", "objective", "optim", "manifest"])
+        knobs = ModuleSettings(**settings)
+        self.save_hyperparameters(dataclasses.asdict(knobs))
         check_module_knobs(self.hparams)
         # Not a submodule: Lightning would otherwise save it, wrap it and hand it to the optimizer.
         object.__setattr__(self, "target", target)
         self.objective, self.optim = objective or Objective(), optim or Optim()
         self.manifest = manifest or {}
-        config = draft_config.replace(extra=dict(draft_config.extra))
-        config.extra.pop(MANIFEST_KEY, None)  # a warm start's manifest described another run
-        if init_from:
-            overrides = {f: getattr(config, f) for f in WARM_START_FIELDS}
-            self.draft = DFlash2DraftModel.from_pretrained(init_from, **overrides)
-            self.draft.config.extra.pop(MANIFEST_KEY, None)
-            log.info("warm start from %s", init_from)
-        else:
-            self.draft = DFlash2DraftModel(config)
-            if init_std is not None:
-                for linear in backbone_linears(self.draft):
-                    torch.nn.init.normal_(linear.weight, std=init_std)
+        self.draft = build_drafter(draft_config, knobs.init_from, knobs.init_std)
         # Plain data, so that a checkpoint loads with weights_only=True; the drafter's is what was actually built (a
         # warm start may change layers and ids).
         self.hparams[CONFIG_KEY] = self.draft.config.to_dict()
         self.hparams["objective"], self.hparams["optim"] = as_dict(self.objective), as_dict(self.optim)
-        if not train_backbone:
+        if not knobs.train_backbone:
             freeze_backbone(self.draft)
-        weights = slot_weights(self.draft.config.block_size, self.objective.loss_gamma)
-        self.register_buffer("slot_weights", weights, persistent=False)
-        self.register_buffer("slot_scale", self.objective.slot_scale(self.draft.config.block_size), persistent=False)
+        self.slot_loss = self.objective.slot_loss(self.draft.config.block_size)
         slots, has_selector = self.draft.config.block_size - 1, self.draft.candidate_selector is not None
         self.val_metrics = DraftMetrics(slots, has_selector, self.objective.distill > 0)
         self.latest_metrics: dict[str, float] = {}
         # Until the first training step of a fresh run: a restored checkpoint clears it (on_load_checkpoint).
-        self.scale_features_pending = feature_scaling
+        self.scale_features_pending = knobs.feature_scaling
 
     # ------------------------------------------------------------------ the step
     def setup(self, stage: str) -> None:
@@ -179,38 +177,30 @@ class DFlash2Module(L.LightningModule):
         # host every step until the GPU caught up, so it could never queue a step ahead.
         return batch | {"trained_slots": trained_slots(batch)}
 
-    def draft_step(self, batch: dict[str, torch.Tensor], rank_mean: Any = None):
-        """Teacher-forced pass over the batch's blocks -> DraftLosses (`rank_mean`: draft_losses')."""
+    def draft_step(self, batch: dict[str, torch.Tensor], rank_mean: RankMean = None) -> DraftLosses:
+        """Teacher-forced pass over the batch's blocks -> DraftLosses (`rank_mean`: SlotLoss.forward's)."""
         cfg = self.draft.config
         b, n = batch["anchors"].shape
         target = self.target_pass(batch)
-        hidden = self.block_hidden(batch, target.hidden)
-        labels = block_targets(batch)
-        anchor_ids = batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0]
-        teacher = None
-        if target.final_hidden is not None:  # slot k learns the target's distribution at anchor + k - 1
-            positions = teacher_positions(batch["anchors"], cfg.block_size).clamp(max=target.final_hidden.shape[1] - 1)
-            teacher = target.final_hidden[torch.arange(b, device=self.device)[:, None, None], positions]
+        slots = DraftSlots(
+            hidden=self.block_hidden(batch, target.hidden),
+            labels=block_targets(batch),
+            anchor_ids=batch["block_ids"].view(b, n, cfg.block_size)[:, :, 0],
+            teacher=self.teacher_hidden(batch, target.final_hidden),
+            trained=batch.get("trained_slots"),
+        )
         with record_function("losses"):
-            return draft_losses(
-                hidden,
-                labels,
-                anchor_ids,
-                self.target.lm_head_weight,
-                cfg.vocab_size,
-                self.slot_weights,
-                self.draft.candidate_selector,
-                self.objective.selector_detach,
-                fused=self.objective.fused_head,
-                chunk_rows=self.objective.logits_chunk_rows,
-                compiled=self.compiled,
-                teacher=teacher,
-                distill=self.objective.distill,
-                trained=batch.get("trained_slots"),
-                dpace_alpha=self.objective.dpace,
-                rank_mean=rank_mean,
-                slot_scale=self.slot_scale,
-            )
+            head = self.target.lm_head_weight[: cfg.vocab_size]  # rows past the vocabulary are padding
+            return self.slot_loss(slots, head, self.draft.candidate_selector, rank_mean, self.compiled)
+
+    def teacher_hidden(self, batch: dict[str, torch.Tensor], final_hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """When distilling, the target's final hidden state at anchor + k - 1 for slot k of every block: slot k learns
+        the target's distribution there. [b, n, B-1, H]; None without `final_hidden`."""
+        if final_hidden is None:
+            return None
+        positions = teacher_positions(batch["anchors"], self.draft.config.block_size)
+        rows = torch.arange(final_hidden.shape[0], device=self.device)[:, None, None]
+        return final_hidden[rows, positions.clamp(max=final_hidden.shape[1] - 1)]
 
     def current_selector_alpha(self) -> float:
         return self.objective.alpha(self.global_step)
@@ -224,7 +214,7 @@ class DFlash2Module(L.LightningModule):
         return rank_sums({"t": t})["t"] / self.ranks()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # Under DDP, each rank's loss is its share of the global batch's (draft_losses' rank_mean): DDP's mean of the
+        # Under DDP, each rank's loss is its share of the global batch's (SlotLoss's rank_mean): DDP's mean of the
         # ranks' gradients is then the gradient one process takes on the global batch.
         out = self.draft_step(batch, rank_mean=self.rank_mean if self.ranks() > 1 else None)
         losses = {"loss": out.ce}
@@ -305,7 +295,7 @@ class DFlash2Module(L.LightningModule):
         )
         return rms
 
-    # ------------------------------------------------------------------ optimisation
+    # ------------------------------------------------------------------ optimization
     def configure_optimizers(self) -> dict[str, Any]:
         total = int(self.trainer.estimated_stepping_batches)
         return self.optim.build(self.draft.named_parameters(), self.trainer.precision, total)
@@ -353,6 +343,24 @@ def validation_line(metrics: dict[str, float]) -> str:
     head += [f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k not in (*slots, "tau_sim", "tau_sim_top1", "loss")]
     accuracies = " ".join(f"{metrics[k]:.3f}" for k in slots)
     return ", ".join(head) + (f", acc_1..{len(slots)} {accuracies}" if slots else "")
+
+
+def build_drafter(config: DFlash2Config, init_from: str | None, init_std: float | None) -> DFlash2DraftModel:
+    """The drafter to train: `config`'s, fresh (its backbone drawn from N(0, `init_std`) when set), or loaded from the
+    export `init_from` with `config`'s structural fields."""
+    config = config.replace(extra=dict(config.extra))
+    config.extra.pop(MANIFEST_KEY, None)  # a warm start's manifest described another run
+    if init_from:
+        overrides = {f: getattr(config, f) for f in WARM_START_FIELDS}
+        draft = DFlash2DraftModel.from_pretrained(init_from, **overrides)
+        draft.config.extra.pop(MANIFEST_KEY, None)
+        log.info("warm start from %s", init_from)
+        return draft
+    draft = DFlash2DraftModel(config)
+    if init_std is not None:
+        for linear in backbone_linears(draft):
+            torch.nn.init.normal_(linear.weight, std=init_std)
+    return draft
 
 
 def backbone_linears(draft: DFlash2DraftModel) -> list[torch.nn.Linear]:

@@ -1,5 +1,5 @@
 """The training recipe's two objects, one config group each: what the drafter learns (`objective`) and how it is
-optimised (`optim`). Both check their settings when built, so `train.py` refuses a bad one before anything loads.
+optimized (`optim`). Both check their settings when built, so `train.py` refuses a bad one before anything loads.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash2.training.losses import selector_alpha
+from dflash2.training.losses import SlotLoss, selector_alpha, slot_weights
 
 # The slots' loss weights (dflash2/training/losses.py): the published fixed decay, or D-PACE's from the confidence.
 POSITION_WEIGHTS = ("decay", "dpace")
@@ -68,11 +68,11 @@ class Objective:
 
     @property
     def dpace(self) -> float | None:
-        """D-PACE's smoothing when the slots are weighted by it, else None (`draft_losses`' `dpace_alpha`)."""
+        """D-PACE's smoothing when the slots are weighted by it, else None (`SlotLoss`' `dpace_alpha`)."""
         return self.dpace_alpha if self.position_weights == "dpace" else None
 
     def slot_scale(self, block_size: int) -> torch.Tensor | None:
-        """The factors [B-1] of the proposing slots' training weights (`draft_losses`' `slot_scale`):
+        """The factors [B-1] of the proposing slots' training weights (`SlotLoss`' `scale`):
         `late_slot_weight` on slots k >= `late_slot_start`, 1 before; None when it is 1 (the weights as they are)."""
         start = block_size // 2 if self.late_slot_start is None else self.late_slot_start
         if start > block_size - 1:
@@ -84,6 +84,18 @@ class Objective:
             return None
         slots = torch.arange(1, block_size)
         return torch.where(slots >= start, float(self.late_slot_weight), 1.0)
+
+    def slot_loss(self, block_size: int) -> SlotLoss:
+        """The loss of a drafter of `block_size`: this objective's weights and settings, built once."""
+        return SlotLoss(
+            slot_weights(block_size, self.loss_gamma),
+            self.slot_scale(block_size),
+            self.dpace,
+            self.distill,
+            self.selector_detach,
+            self.fused_head,
+            self.logits_chunk_rows,
+        )
 
     def alpha(self, step: int) -> float:
         """The selector loss's weight at optimizer step `step`."""

@@ -11,7 +11,7 @@ start of fit:
   checkpoints it writes count too; `val_every` is Lightning's `val_check_batch`, the steps between two of them.
 
 The study runner's probe (`python study.py ... steps=auto`) reads them; any run writes them (a resumed run, those of
-its last part).
+its last part: `skip` counts from `start_step`, the step it resumed at, as its log line's step numbers do).
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ class StepRate(Callback):
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         os.replace(tmp, path)
         if result["steps_per_s"] is not None:
+            first = result["start_step"] + result["skip"]  # the run's own step numbers, a resumed run's included
             log.info(
-                "step rate: %.3f steps/s over steps %d-%d, after %.1f s of warm-up; %d validations of %.1f s",
-                result["steps_per_s"], result["skip"], result["skip"] + result["measured_steps"], result["warmup_s"],
-                len(result["validations_s"]), result["validation_s"] or 0.0,
+                "step rate: %.3f steps/s over steps %d-%d, after %.1f s of warm-up from step %d; %d validations of "
+                "%.1f s", result["steps_per_s"], first, first + result["measured_steps"], result["warmup_s"],
+                result["start_step"], len(result["validations_s"]), result["validation_s"] or 0.0,
             )  # fmt: skip
 
     def _end_validation(self, module: Any) -> None:

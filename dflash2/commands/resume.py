@@ -2,7 +2,7 @@
 
 Hydra composes a resume line from the defaults, like any other. The run's recorded `.hydra/config.yaml` then replaces
 that composition, with the resume line's overrides on top, and Hydra records the resume in `.hydra/resume-<time>/`,
-so the record of how the run was started stays as it was.
+so the record of how the run was started stays as it was. Both are Hydra's records, read here only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import logging
 from typing import Any
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -60,3 +62,19 @@ def restore_run_config(cfg: DictConfig) -> None:
 
 def _choice(value: Any) -> str:
     return "null" if value is None else str(value)
+
+
+def experiment_choice(cfg: DictConfig) -> str | None:
+    """The `experiment` a run was started with (None: none, or a run started without Hydra's command line): Hydra's
+    choice for this command, or for a resume the one the run's record holds (a resume keeps its run's config groups).
+    A model without an experiment of its own (train.yaml's `optional experiment: ${model}`) has none."""
+    if not HydraConfig.initialized():
+        return None
+    choices = HydraConfig.get().runtime.choices
+    if cfg.get("ckpt_path"):
+        record = run_dir_of(cfg.ckpt_path) / RECORD / "hydra.yaml"
+        if record.is_file():
+            choices = OmegaConf.load(record).hydra.runtime.choices
+    experiment = choices.get("experiment")
+    options = GlobalHydra.instance().config_loader().get_group_options("experiment")
+    return experiment if experiment in options else None
