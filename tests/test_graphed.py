@@ -2,6 +2,7 @@
 same tokens, accept lengths, proposers and margins, through compaction, finished rows and padding rows; compiled, it is
 one graph per kind of step, compiled once for every batch and call."""
 
+import dataclasses
 import random
 
 import pytest
@@ -34,16 +35,25 @@ def proposer_of(tiny, kind, seed):
     return draft
 
 
-def counting_whole_steps(monkeypatch):
-    """The kinds of the whole steps run, in order."""
+PIECES = "pieces"
+
+
+def counting_whole_steps(monkeypatch, pieces=False):
+    """The kinds of the whole steps run, in order; with `pieces`, every step in pieces too, as PIECES."""
     kinds = []
-    real = graphed.WholeSteps.__call__
+    real, real_pieces = graphed.WholeSteps.__call__, fast.eager_step
 
     def counted(self, kind, *args):
         kinds.append(kind)
         return real(self, kind, *args)
 
+    def counted_pieces(*args):
+        kinds.append(PIECES)
+        return real_pieces(*args)
+
     monkeypatch.setattr(graphed.WholeSteps, "__call__", counted)
+    if pieces:
+        monkeypatch.setattr(fast, "eager_step", counted_pieces)
     return kinds
 
 
@@ -85,8 +95,19 @@ def test_whole_steps_decode_what_the_pieces_and_the_plain_loop_decode(tiny, kind
     assert steps - len(batches) * (kind != "pld") <= len(kinds) <= steps and compactions
     if kind == "hybrid":
         assert {"lookup", "drafter"} <= {s for g in whole for s in g.proposers}
-        if batch_size == 1:
-            assert set(kinds) == {graphed.BOTH, graphed.LOOK}
+    if kind == "hybrid" and batch_size == 1:  # each whole step is the lookup step exactly where lookup proposed
+        steps = counting_whole_steps(monkeypatch, pieces=True)
+        assert_kinds_follow_the_proposers(steps, generations(tiny, proposer, prompts, 1, stop, fast.FastDecode()))
+
+
+def assert_kinds_follow_the_proposers(kinds, generations):
+    """At batch 1, where each step is one request's: a whole step ran the lookup step exactly where lookup proposed,
+    the hybrid's step where the drafter did (`PIECES` marks a step run in pieces)."""
+    proposers = [p for g in generations for p in g.proposers]
+    assert len(kinds) == len(proposers)
+    for kind, proposer in zip(kinds, proposers, strict=True):
+        if kind != PIECES:
+            assert kind == (graphed.LOOK if proposer == "lookup" else graphed.BOTH)
 
 
 def test_sampled_steps_run_in_pieces(tiny, monkeypatch):
@@ -121,3 +142,25 @@ def test_compiled_whole_steps_are_one_graph_each_compiled_once(tiny):
     # nothing: the same shapes, the same buffers.
     assert counters["stats"]["unique_graphs"] == built <= 5
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_the_step_buffers_keep_their_addresses_from_batch_to_batch_and_call_to_call(tiny, monkeypatch):
+    """A CUDA graph replays at fixed addresses: every batch of a shape, in every call, runs on the same buffers, each
+    marked as a static address (which in-place updates under a CUDA graph need)."""
+    seen = []
+    real = graphed.WholeSteps.buffers
+
+    def recording(self, *args):
+        buffers = real(self, *args)
+        seen.append({f.name: getattr(buffers, f.name) for f in dataclasses.fields(buffers)})
+        return buffers
+
+    monkeypatch.setattr(graphed.WholeSteps, "buffers", recording)
+    prompts = repeating_prompts(random.randrange(10_000), 4, tiny.vocab_size)
+    draft = proposer_of(tiny, "dflash2", 0)
+    for _ in range(2):  # two calls of two batches each
+        fast.speculative_generate(tiny, draft, prompts, BLOCK, 8, spec.Sampling(batch_size=2), fast=fast.FastDecode())
+    assert len(seen) == 4
+    for buffers in seen[1:]:
+        assert all(buffers[name] is tensor for name, tensor in seen[0].items())
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in seen[0].values() if t is not None)

@@ -45,8 +45,7 @@ DRAFT, LOOK, BOTH = "draft", "lookup", "hybrid"  # the steps: the drafter's, loo
 class StepBuffers:
     """A batch's decode state on the device, at fixed addresses (a CUDA graph mutates them in place), the same
     buffers for every batch of one shape. `end` is where both caches' next block goes; `features` the target's
-    features of the slots just verified, which the drafter takes in next; `take` whether lookup proposes each row's
-    next block (a hybrid's rule)."""
+    features of the slots just verified, which the drafter takes in next."""
 
     key_mask: torch.Tensor  # [rows, capacity] long
     positions: torch.Tensor  # [rows, capacity] long
@@ -73,8 +72,8 @@ class StepBuffers:
             end=torch.zeros(1, dtype=torch.long, device=device),
             offsets=torch.arange(block_size, device=device),
         )
-        for buffer in dataclasses.astuple(made):
-            if buffer is not None:
+        for field in dataclasses.fields(made):  # not astuple: it would copy them
+            if (buffer := getattr(made, field.name)) is not None:
                 torch._dynamo.mark_static_address(buffer)
         return made
 
@@ -86,6 +85,14 @@ class StepBuffers:
         for name, value in values.items():
             target = getattr(self, name)
             target.copy_(torch.as_tensor(value, device=target.device).view(target.shape))
+
+
+def pending_slots(buffers: StepBuffers, draft_cache: Any) -> torch.Tensor:
+    """The positions of the last block's slots, whose features the drafter takes in now [rows, B], its cache's pointer
+    set to them: they go where that block went in the target's cache."""
+    b, block = buffers, buffers.offsets.shape[0]
+    draft_cache.pointer.copy_(b.end - block)
+    return b.positions.index_select(1, b.end - block + b.offsets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +109,7 @@ class Step:
     def drafted(self, buffers: StepBuffers, draft_cache: Any, block_positions: torch.Tensor) -> torch.Tensor:
         """The drafter's greedy proposals [rows, B-1], the features of the slots just verified into its cache."""
         drafter, b = self.drafter, buffers
-        block = b.offsets.shape[0]
-        context_positions = b.positions.index_select(1, b.end - block + b.offsets)
-        draft_cache.pointer.copy_(b.end - block)  # the features go where the last block went in the target's cache
+        context_positions = pending_slots(b, draft_cache)
         masks = torch.full_like(block_positions[:, 1:], drafter.draft.config.mask_token_id)
         block_ids = torch.cat([b.anchor[:, None], masks], -1)
         embeds = self.target.embed_tokens(block_ids)
@@ -116,11 +121,8 @@ class Step:
 
     def ingested(self, buffers: StepBuffers, draft_cache: Any) -> None:
         """The features of the slots just verified into the drafter's cache, no block drafted."""
-        b = buffers
-        block = b.offsets.shape[0]
-        draft_cache.pointer.copy_(b.end - block)
-        context_positions = b.positions.index_select(1, b.end - block + b.offsets)
-        drafting.draft_ingest(self.drafter.draft, b.features, context_positions, draft_cache)
+        context_positions = pending_slots(buffers, draft_cache)
+        drafting.draft_ingest(self.drafter.draft, buffers.features, context_positions, draft_cache)
 
     def looked(self, buffers: StepBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """Lookup's proposals [rows, B-1], and where the hybrid's rule takes them [rows] (all True without one)."""

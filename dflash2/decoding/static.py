@@ -142,11 +142,11 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def start_batch(
-    target: Any, prompts: list[list[int]], rows: int, capacity: int, pad: int
+    target: Any, prompts: list[list[int]], rows: int, capacity: int, tokens_width: int
 ) -> tuple[Any, torch.Tensor, torch.Tensor, TargetStaticCache, torch.Tensor]:
     """The prefill of a static batch: prompts, then padding rows, right-padded as the plain loops pad them, into the
     target's static cache -> (the prefill's output, key mask and positions [rows, capacity], the cache, the tokens'
-    buffer [rows, width + pad])."""
+    buffer [rows, tokens_width] or [rows, prompt width] when that is wider)."""
     ids, prompt_mask = pad_right(prompts + [[0]] * (rows - len(prompts)), target.lm_head_weight.device)
     width = ids.shape[1]
     positions = torch.arange(width, device=ids.device).expand_as(ids)
@@ -156,7 +156,7 @@ def start_batch(
     inputs = dict(attention_mask=key_mask, position_ids=positions, past_key_values=cache, use_cache=True)
     out = target.forward(ids, **inputs, logits_at=lengths - 1)
     cache.length = width
-    return out, key_mask, F.pad(positions, (0, capacity - width)), cache, F.pad(ids, (0, pad))
+    return out, key_mask, F.pad(positions, (0, capacity - width)), cache, F.pad(ids, (0, max(tokens_width - width, 0)))
 
 
 def compact(
@@ -297,9 +297,8 @@ def start(
     generator: torch.Generator,
 ) -> tuple[Batch, list[bool]]:
     """The prefill and the first token of every request -> the batch, and which requests are done."""
-    out, key_mask, positions, cache, tokens = start_batch(
-        target, prompts, shape.rows, shape.capacity, requests.max_new_tokens + 2 * shape.block_size
-    )
+    # The tokens' buffer as wide as the caches: every batch of the call one shape (a whole step's graph reads it all).
+    out, key_mask, positions, cache, tokens = start_batch(target, prompts, shape.rows, shape.capacity, shape.capacity)
     live, live_mask = live_rows([False] * len(prompts), shape.rows, key_mask.device)
     anchor = first_token(out.logits, generator=generator, live=live, **sampling)
     done = commit_one(requests, anchor, out.logits, [False] * len(prompts))
