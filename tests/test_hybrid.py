@@ -66,18 +66,24 @@ def decode(target, proposer, prompts, batch_size, path="plain", temperature=0.0,
 
 @pytest.mark.parametrize("path", ["plain", "static"])
 def test_hybrid_greedy_output_is_the_targets_and_each_step_is_the_rules(tiny, path):
+    """The default rule (its min_tokens cut to a 4-token block's 3 slots). Some draws of the tiny target's text repeat
+    no 2-gram at length: the next draw is taken then, so that both proposers take steps; every draw's output must be
+    the target's and every step the rule's."""
     seed = random.randrange(10_000)
     print(f"seed {seed}")
-    prompts = repeating_prompts(seed, 4, tiny.vocab_size)
     draft = make_draft(tiny, "dflash2", BLOCK, seed)
-    reference = spec.target_generate(tiny, prompts, MAX_NEW, spec.Sampling(batch_size=4))
     rule = NgramRule(min_ngram=2)
-    out = decode(tiny, hybrid(tiny, draft, rule), prompts, batch_size=3, path=path)
-    assert [g.output_ids for g in out] == [g.output_ids for g in reference]
-    for prompt, got in zip(prompts, out, strict=True):
-        assert got.proposers == expected_sources(prompt, got, rule)
-    steps = [s for g in out for s in g.proposers]
-    assert {"lookup", "drafter"} <= set(steps), "both proposers must take steps for the test to test anything"
+    for attempt in range(8):
+        prompts = repeating_prompts(seed + attempt, 4, tiny.vocab_size)
+        reference = spec.target_generate(tiny, prompts, MAX_NEW, spec.Sampling(batch_size=4))
+        out = decode(tiny, hybrid(tiny, draft, rule), prompts, batch_size=3, path=path)
+        assert [g.output_ids for g in out] == [g.output_ids for g in reference]
+        for prompt, got in zip(prompts, out, strict=True):
+            assert got.proposers == expected_sources(prompt, got, rule)
+        steps = {s for g in out for s in g.proposers}
+        if {"lookup", "drafter"} <= steps:
+            break
+    assert {"lookup", "drafter"} <= steps, "both proposers must take steps for the test to test anything"
 
 
 def test_the_static_path_decodes_the_hybrid_as_the_plain_path_does(tiny):
@@ -169,7 +175,7 @@ def test_a_hybrid_run_reports_each_proposers_share_and_tau(tmp_path, monkeypatch
     assert alone["proposers"] is None and "proposed by" not in format_table(alone)
     summary = summary_table([results, alone])
     assert summary["lookup_share"][0] == pytest.approx(lookup["share"]) and pd.isna(summary["lookup_share"][1])
-    assert "not a hybrid run" in summary["note"][1] and summary["setting"][0].endswith("hybrid")
+    assert "not a hybrid run" in summary["note"][1] and list(summary["draft"]) == ["draft+lookup", "draft"]
     assert hybrid_figure(summary) is not None and hybrid_figure(summary_table([alone])) is None
     assert "lookup_share" not in summary_table([alone])  # a sweep without a hybrid shows no hybrid columns
 

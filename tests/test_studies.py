@@ -179,6 +179,14 @@ def test_the_studies_plan_their_gpu_runs_with_the_published_layers(tmp_path):
     assert acceptance.speed is not None and "baseline=true" in acceptance.speed
 
 
+def test_a_study_measures_each_drafter_with_prompt_lookup_beside_it(tmp_path):
+    """study.hybrid=true: every drafter's sweeps also run the hybrid (`<name>+lookup` in the summary), prompt lookup's
+    own do not."""
+    plan = make_plan(study_cfg(tmp_path, "study=depth", "study.hybrid=true"))
+    for sweep in plan.sweeps:
+        assert ("hybrid=null,ngram" in sweep.command) == (sweep.drafter != "pld"), sweep.command
+
+
 @pytest.mark.slow
 def test_ablation_variants_are_valid_train_settings_each_changing_the_baseline(tmp_path):
     """Every variant composes with the GPU experiment, passes train.py's checks (make_plan runs them) and changes the

@@ -266,6 +266,8 @@ def plan_sweeps(study: dict[str, Any], work: Path, evaluated: list[str], eval_ar
                 folder = work / "evaluate" / name / f"{label}_{group[0]}"
                 command = ["python", "evaluate.py", "-m", f"hydra.sweep.dir={folder}", f"drafter={drafter}"]
                 command += [*eval_args, *str(setting).split(), f"bench={','.join(map(str, group))}"]
+                if study["hybrid"] and name != PLD:  # also with prompt lookup beside it: `<name>+lookup`
+                    command.append("hybrid=null,ngram")
                 sweeps.append(Sweep(f"evaluate.{name}.{folder.name}", name, folder, command))
     return sweeps
 

@@ -54,10 +54,15 @@ def summary_columns(hybrid: bool) -> list[str]:
 
 
 def setting_label(row: dict[str, Any]) -> str:
-    """What distinguishes runs on one bench: temperature, block size, selector, prompt lookup beside the drafter (and
-    the draft when several). `selector` None: nothing to switch (prompt lookup)."""
-    hybrid = " hybrid" if row.get("hybrid") else ""
-    return f"T={row['temperature']:g} B={row['block_size']}{' no-selector' if row['selector'] is False else ''}{hybrid}"
+    """What distinguishes runs on one bench: temperature, block size, selector (and the draft when several).
+    `selector` None: nothing to switch (prompt lookup)."""
+    return f"T={row['temperature']:g} B={row['block_size']}{' no-selector' if row['selector'] is False else ''}"
+
+
+def draft_label(draft: dict[str, Any]) -> str:
+    """results.json's `draft` as a proposer's name: the drafter's folder, `<folder>+lookup` with prompt lookup beside
+    it (hybrid), or pld."""
+    return draft["name"] + ("+lookup" if draft.get("hybrid") else "")
 
 
 def load_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -74,10 +79,10 @@ def summary_table(runs: list[dict[str, Any]]) -> pd.DataFrame:
     rows = []
     for r in runs:
         row = {k: r.get(k) for k in COLUMNS}
-        row.update(draft=r["draft"]["name"], selector=r["draft"]["selector"])
+        row.update(draft=draft_label(r["draft"]), selector=r["draft"]["selector"])
         row.update({k: (r.get("copy_gap") or {}).get(k) for k in COPY_GAP_KEYS})
         row.update(hybrid_values(r))
-        row["setting"] = setting_label(row | {"hybrid": r["draft"].get("hybrid")})
+        row["setting"] = setting_label(row)
         row["note"] = NOTE_SEPARATOR.join(missing(r))
         rows.append(row)
     hybrid = any(r.get("proposers") for r in runs)
@@ -156,65 +161,52 @@ def plot_curves(runs: list[dict[str, Any]], table: pd.DataFrame, path: Path) -> 
 def copy_gap_figure(table: pd.DataFrame) -> Any:
     """Per bench, each greedy drafter run's tau on the steps prompt lookup would have copied and on the others,
     beside the lookup's own tau on the copyable ones; None when no run has a copy gap."""
-    import matplotlib.pyplot as plt
-
     rows = table[table["copyable_share"].notna()]
     if rows.empty:
         return None
-    benches = sorted(rows["bench"].unique())
-    widest = max((rows["bench"] == b).sum() for b in benches)
-    fig, axes = plt.subplots(1, len(benches), figsize=(max(4.5, 1.6 * widest + 1.5) * len(benches), 4), squeeze=False)
-    for ax, bench in zip(axes[0], benches, strict=True):
-        runs = rows[rows["bench"] == bench]
-        labels = [f"{s}\n{c:.0%} copyable" for s, c in zip(runs["setting"], runs["copyable_share"], strict=True)]
-        bars = pd.DataFrame(
-            {
-                "drafter, copyable steps": runs["tau_copyable"].to_numpy(),
-                "drafter, other steps": runs["tau_other"].to_numpy(),
-                "prompt lookup, copyable steps": runs["lookup_tau_copyable"].to_numpy(),
-            },
-            index=labels,
-        )
-        bars.plot.bar(ax=ax, rot=0, legend=False)
-        ax.set_title(bench)
-        ax.axhline(1.0, color="grey", lw=0.5)
-        ax.tick_params(axis="x", labelsize="small")
-    axes[0, 0].set_ylabel("tau (committed tokens per verify step)")
-    axes[0, -1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("copy gap: where prompt lookup would have had a proposal accepted (T=0)")
-    fig.tight_layout()
-    return fig
+    bars = {
+        "drafter, copyable steps": "tau_copyable",
+        "drafter, other steps": "tau_other",
+        "prompt lookup, copyable steps": "lookup_tau_copyable",
+    }
+    return bars_by_bench(
+        rows, "copyable_share", "{:.0%} copyable", bars,
+        "copy gap: where prompt lookup would have had a proposal accepted (T=0)",
+    )  # fmt: skip
 
 
 def hybrid_figure(table: pd.DataFrame) -> Any:
     """Per bench, each hybrid run's tau, its lookup's and its drafter's on their own steps, and lookup's share of the
     steps; None when no run is a hybrid's."""
-    import matplotlib.pyplot as plt
-
     if "lookup_share" not in table:
         return None
-    rows = table[table["lookup_share"].notna()]
+    bars = {"hybrid, all steps": "tau", "lookup's steps": "tau_lookup", "drafter's steps": "tau_drafter"}
+    return bars_by_bench(
+        table[table["lookup_share"].notna()], "lookup_share", "lookup {:.0%}", bars,
+        "hybrid: prompt lookup's steps and the drafter's (share of steps under each label)",
+    )  # fmt: skip
+
+
+def bars_by_bench(rows: pd.DataFrame, share: str, shown: str, bars: dict[str, str], title: str) -> Any:
+    """One panel per bench, in it a group of bars per run (`bars`: legend -> column), labelled with its setting and
+    its `share` column as `shown` formats it."""
+    import matplotlib.pyplot as plt
+
     benches = sorted(rows["bench"].unique())
     widest = max((rows["bench"] == b).sum() for b in benches)
     fig, axes = plt.subplots(1, len(benches), figsize=(max(4.5, 1.6 * widest + 1.5) * len(benches), 4), squeeze=False)
     for ax, bench in zip(axes[0], benches, strict=True):
         runs = rows[rows["bench"] == bench]
-        labels = [f"{s}\nlookup {share:.0%}" for s, share in zip(runs["setting"], runs["lookup_share"], strict=True)]
-        bars = pd.DataFrame(
-            {
-                "hybrid, all steps": runs["tau"].to_numpy(),
-                "lookup's steps": runs["tau_lookup"].to_numpy(),
-                "drafter's steps": runs["tau_drafter"].to_numpy(),
-            },
-            index=labels,
+        labels = [f"{s}\n{shown.format(v)}" for s, v in zip(runs["setting"], runs[share], strict=True)]
+        pd.DataFrame({name: runs[column].to_numpy() for name, column in bars.items()}, index=labels).plot.bar(
+            ax=ax, rot=0, legend=False
         )
-        bars.plot.bar(ax=ax, rot=0, legend=False)
         ax.set_title(bench)
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.tick_params(axis="x", labelsize="small")
     axes[0, 0].set_ylabel("tau (committed tokens per verify step)")
     axes[0, -1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("hybrid: prompt lookup's steps and the drafter's (share of steps under each label)")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
