@@ -227,13 +227,15 @@ class WholeSteps:
         """The step of `kind`, compiled under `compile` with the grouped conv and the walk on their PyTorch
         references, which the compiler fuses: one function per target, proposer's settings, kind and mode."""
         drafter, lookup, hybrid = self.parts
+        step = Step(self.target, drafter, lookup, hybrid, self.margins)
+        if self.compile is None:
+            return step
         key = (
             id(self.target), id(drafter.draft) if drafter else None, drafter.use_selector if drafter else None,
             lookup, hybrid.rule if hybrid else None, self.margins, kind, self.compile,
         )  # fmt: skip
-        if key not in _functions:
-            step = Step(self.target, drafter, lookup, hybrid, self.margins)
-            _functions[key] = step if self.compile is None else _on_reference_kernels(compiled_step(step, self.compile))
+        if key not in _functions:  # the Step kept with it holds the models, so their ids stay theirs
+            _functions[key] = _on_reference_kernels(compiled_step(step, self.compile))
         return _functions[key]
 
     def __call__(
@@ -245,7 +247,7 @@ class WholeSteps:
         return read.tolist(), margins if self.margins else None
 
 
-# target -> {shape: its StepBuffers}; (target, draft, settings, kind, mode) -> the step's function
+# target -> {shape: its StepBuffers}; (target, draft, settings, kind, mode) -> the step compiled
 _buffers: weakref.WeakKeyDictionary[Any, dict[tuple, StepBuffers]] = weakref.WeakKeyDictionary()
 _functions: dict[tuple, Callable[..., Any]] = {}
 
